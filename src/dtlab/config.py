@@ -1,0 +1,387 @@
+"""Typed configuration: YAML file + dotted `key=value` overrides, validated by pydantic.
+
+Every section forbids unknown keys. Problems become a ConfigError whose one-line message names the
+key and the fix; the CLI prints it and exits 2. Checks that need the world size (batch divisibility,
+HYBRID_SHARD groups, `single` on several ranks) live in `check_world`, run before any process starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
+
+from dtlab.errors import ConfigError
+
+STRATEGIES = ("single", "ddp", "fsdp", "fsdp1")
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ----------------------------------------------------------------------------------------- model
+class CNNConfig(Section):
+    """SimpleCNN: one conv stage (conv3x3, [BN], activation, pool 2) per entry of `channels`.
+
+    The defaults (GELU, average pooling) make a smooth network: fp32 rounding differences between
+    strategies stay at their own size instead of being amplified by ReLU/max-pool switching
+    (measured in docs/strategies.md).
+    """
+
+    name: Literal["cnn"] = "cnn"
+    channels: list[PositiveInt] = Field(default_factory=lambda: [16, 32], min_length=1)
+    hidden: PositiveInt = 64
+    batch_norm: bool = False
+    activation: Literal["relu", "gelu"] = "gelu"
+    pool: Literal["max", "avg"] = "avg"
+
+
+class ResNetConfig(Section):
+    """CIFAR ResNet (3x3 stem, BasicBlocks); `width` multiplies the 64-128-256-512 widths."""
+
+    name: Literal["resnet"] = "resnet"
+    depth: Literal[18, 34] = 18
+    width: PositiveFloat = 1.0
+
+
+class GPTConfig(Section):
+    """Decoder-only transformer; each block is the sharding unit."""
+
+    name: Literal["gpt"] = "gpt"
+    n_layer: PositiveInt = 4
+    n_head: PositiveInt = 4
+    n_embd: PositiveInt = 128
+    block_size: PositiveInt = 64
+    vocab_size: PositiveInt = 256
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    bias: bool = True
+    tie_weights: bool = False
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> GPTConfig:
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}; "
+                "fix: choose n_embd as a multiple of n_head"
+            )
+        return self
+
+
+ModelConfig = Annotated[CNNConfig | ResNetConfig | GPTConfig, Field(discriminator="name")]
+
+
+# ------------------------------------------------------------------------------------------ data
+class SyntheticConfig(Section):
+    """Learnable synthetic data made from the seed (images: class prototypes + noise)."""
+
+    train_samples: PositiveInt = 4096
+    val_samples: PositiveInt = 1024
+    image_size: PositiveInt = 32
+    in_channels: PositiveInt = 3
+    num_classes: int = Field(10, ge=2)
+    noise: NonNegativeFloat = 12.0
+
+
+class DataConfig(Section):
+    name: Literal["synthetic", "cifar10", "mnist", "tokens"] = "synthetic"
+    dir: str = "data"
+    download: bool = False
+    synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
+    train_limit: NonNegativeInt = 0  # use only the first N training samples (0 = all)
+    val_limit: NonNegativeInt = 0
+    val_batch_size: NonNegativeInt = 0  # 0 = the training micro batch size
+    augment: bool = False  # random crop + flip for images (per-rank randomness)
+
+
+# ----------------------------------------------------------------------------------------- train
+class TrainConfig(Section):
+    global_batch_size: PositiveInt = 64
+    grad_accum_steps: PositiveInt = 1
+    max_steps: NonNegativeInt = 0  # 0 = run `epochs` full epochs
+    epochs: PositiveInt = 1
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    lr: PositiveFloat = 0.05
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    nesterov: bool = False
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (
+        0.9,
+        0.999,
+    )
+    weight_decay: NonNegativeFloat = 0.0
+    schedule: Literal["constant", "cosine"] = "cosine"
+    warmup_steps: NonNegativeInt = 0
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    lr_scale_base_batch: PositiveInt | None = None  # linear scaling: lr x global_batch / this
+    grad_clip: NonNegativeFloat = 0.0  # max global grad norm, 0 = off
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    compile: bool = False
+    eval_every: NonNegativeInt = 0  # steps; 0 = at the end of each epoch and of the run
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> TrainConfig:
+        if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
+            raise ValueError("train.nesterov needs train.optimizer=sgd and train.momentum > 0")
+        return self
+
+
+# -------------------------------------------------------------------------------------- strategy
+class DDPOptions(Section):
+    bucket_cap_mb: PositiveFloat = 25.0
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+
+
+class FSDPOptions(Section):
+    """FSDP2 (`fully_shard`), applied to every block and then to the root."""
+
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    reduce_fp32: bool = True  # with train.precision bf16/fp16: reduce gradients in fp32
+
+
+class FSDP1Options(Section):
+    sharding_strategy: Literal[SHARDING_STRATEGIES] = "FULL_SHARD"  # type: ignore[valid-type]
+    auto_wrap: Literal["block", "size", "none"] = "block"
+    min_num_params: PositiveInt = 100_000  # for auto_wrap=size
+    shard_group_size: NonNegativeInt = 0  # HYBRID_SHARD: ranks per shard group, 0 = ranks per node
+    cpu_offload: bool = False
+    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "none"] = "BACKWARD_PRE"
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+    reduce_fp32: bool = True
+
+
+class StrategyConfig(Section):
+    name: Literal[STRATEGIES] = "single"  # type: ignore[valid-type]
+    sync_batchnorm: bool = False
+    ddp: DDPOptions = Field(default_factory=DDPOptions)
+    fsdp: FSDPOptions = Field(default_factory=FSDPOptions)
+    fsdp1: FSDP1Options = Field(default_factory=FSDP1Options)
+
+
+# ------------------------------------------------------------------------------------------- run
+class RunConfig(Section):
+    dir: str | None = None  # None = runs/<config name>-<strategy>
+    log_every: PositiveInt = 10
+    timing_warmup_steps: NonNegativeInt = 3  # excluded from the medians
+    threads: NonNegativeInt = 0  # intra-op threads per rank, 0 = cores / ranks on this node
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    timeout_s: PositiveFloat = 300.0  # process-group timeout: a stuck collective fails after this
+    progress: bool | Literal["auto"] = "auto"  # progress bar; auto = when stdout is a terminal
+    save_model: bool = False  # write the final full state dict to model.safetensors
+    tensorboard: bool = False
+
+
+class Config(Section):
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=CNNConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_model_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("model"), dict):
+            data["model"] = {"name": "cnn", **data["model"]}
+        return data
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Config:
+        is_gpt = self.model.name == "gpt"
+        if (is_gpt and self.data.name in ("cifar10", "mnist")) or (
+            not is_gpt and self.data.name == "tokens"
+        ):
+            raise ValueError(
+                f"model.name={self.model.name} cannot train on data.name={self.data.name}; "
+                "fix: use gpt with data.name=synthetic|tokens, cnn/resnet with synthetic|cifar10|mnist"
+            )
+        bn = self.model.name == "resnet" or (self.model.name == "cnn" and self.model.batch_norm)
+        if self.train.compile and self.strategy.name == "fsdp" and bn:
+            raise ValueError(
+                "train.compile with strategy fsdp fails on BatchNorm models in this torch release; "
+                "fix: set train.compile=false, or use strategy ddp/fsdp1"
+            )
+        if self.strategy.fsdp1.shard_group_size and self.strategy.fsdp1.sharding_strategy != (
+            "HYBRID_SHARD"
+        ):
+            raise ValueError(
+                "strategy.fsdp1.shard_group_size only applies to HYBRID_SHARD; "
+                "fix: remove it or set strategy.fsdp1.sharding_strategy=HYBRID_SHARD"
+            )
+        return self
+
+
+# -------------------------------------------------------------------------------- world checks
+def check_world(cfg: Config, world_size: int, local_world_size: int | None = None) -> int:
+    """Checks that need the number of ranks; returns the micro batch size per rank."""
+    t, s = cfg.train, cfg.strategy
+    if s.name == "single" and world_size > 1:
+        raise ConfigError(
+            f"strategy.name=single runs one process but {world_size} ranks were started; "
+            "fix: use --nproc-per-node 1, or strategy.name=ddp|fsdp|fsdp1"
+        )
+    per_step = world_size * t.grad_accum_steps
+    if t.global_batch_size < per_step or t.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} must be a positive multiple of "
+            f"world_size({world_size}) x train.grad_accum_steps({t.grad_accum_steps}) = {per_step}; "
+            f"fix: set train.global_batch_size to a multiple of {per_step}"
+        )
+    if s.name == "fsdp1" and s.fsdp1.sharding_strategy == "HYBRID_SHARD":
+        group = s.fsdp1.shard_group_size or local_world_size or world_size
+        if group < 1 or world_size % group:
+            raise ConfigError(
+                f"HYBRID_SHARD cannot split world_size={world_size} into shard groups of {group}; "
+                "fix: set strategy.fsdp1.shard_group_size to a divisor of the world size"
+            )
+    return t.global_batch_size // per_step
+
+
+def check_environment(cfg: Config) -> None:
+    """Options that need an optional package."""
+    import importlib.util
+
+    if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
+            "run.tensorboard=true needs the tensorboard package; "
+            "fix: pip install 'dtlab[tensorboard]', or set run.tensorboard=false"
+        )
+
+
+# ------------------------------------------------------------------------------------- loading
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-3` as a float (PyYAML follows YAML 1.1 and reads a string)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_value(text: str) -> Any:
+    """Parse one override value as YAML (`0.1`, `true`, `[32, 64]`, `FULL_SHARD`)."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    except yaml.YAMLError:
+        return text
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' not found; fix: pass an existing file to --config")
+    try:
+        data = yaml.load(p.read_text(), Loader=_Loader)  # noqa: S506
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where else ""
+        raise ConfigError(f"config file '{p}' is not valid YAML{line}; fix its syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{p}' must hold a mapping of sections, not {type(data).__name__}")
+    return data
+
+
+def apply_override(tree: dict[str, Any], item: str) -> None:
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override '{item}' must look like key=value, e.g. train.lr=0.1")
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{item}': '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = parse_value(value)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (or the built-in quick defaults), apply overrides and validate."""
+    tree = read_yaml(path) if path is not None else {}
+    for item in overrides:
+        apply_override(tree, item)
+    try:
+        cfg = Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+    if cfg.run.dir is None:
+        stem = Path(path).stem if path is not None else "quick"
+        cfg.run.dir = f"runs/{stem}-{cfg.strategy.name}"
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------- error messages
+_MODEL_TAGS = {"cnn", "resnet", "gpt"}
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc]
+    if len(parts) > 1 and parts[0] == "model" and parts[1] in _MODEL_TAGS:
+        del parts[1]  # pydantic puts the union tag in the location
+    return ".".join(parts)
+
+
+def valid_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    keys: list[str] = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        subs = [ann] if isinstance(ann, type) and issubclass(ann, BaseModel) else []
+        if name == "model" and model is Config:
+            subs = [CNNConfig, ResNetConfig, GPTConfig]
+        if subs:
+            for sub in subs:
+                keys += valid_keys(sub, f"{prefix}{name}.")
+        else:
+            keys.append(prefix + name)
+    return sorted(set(keys))
+
+
+def format_validation_error(e: ValidationError) -> str:
+    errors = e.errors()
+    err = errors[0]
+    key = _dotted(err["loc"])
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    if err["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.6)
+        hint = f"did you mean '{close[0]}'?" if close else "see `dtlab config --keys` for valid keys"
+        return f"unknown config key '{key}'; fix: remove it ({hint}){more}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "value_error":  # our own checks already name keys and fixes
+        return msg + more
+    if err["type"] == "union_tag_invalid":
+        return f"{key}.name: {msg}; fix: use one of cnn, resnet, gpt{more}"
+    got = err.get("input")
+    shown = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
+    return f"{key}: {msg}{shown}; fix: set {key} to a valid value in the file or as {key}=...{more}"
