@@ -1,0 +1,70 @@
+"""Start local workers through PyTorch's own launcher (torch elastic, the engine of `torchrun`).
+
+Single node: c10d rendezvous on 127.0.0.1 with port 0, so the launcher picks a free port (no fixed
+29500). Multi-node: give every node the same `--rdzv-endpoint HOST:PORT` and `--nnodes`. Note: the
+rendezvous endpoint and MASTER_ADDR are loopback, but PyTorch's TCPStore server listens on all
+interfaces whatever host it is given (measured with torch 2.13); firewall the node if that matters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+from dtlab.distributed import cpus_available
+
+
+def launch(
+    worker_args: list[str],
+    nproc_per_node: int,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str = "dtlab",
+    max_restarts: int = 0,
+    module: str = "dtlab.train",
+) -> int:
+    """Run `python -m <module> <worker_args>` on `nproc_per_node` local ranks; return an exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as elastic_run
+
+    endpoint = rdzv_endpoint or "127.0.0.1:0"
+    # Threads per rank = cores / local ranks; torchrun would otherwise force 1 and warn.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpus_available() // nproc_per_node)))
+    args = get_args_parser().parse_args([
+        f"--nproc-per-node={nproc_per_node}",
+        f"--nnodes={nnodes}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        f"--max-restarts={max_restarts}",
+        "--module",
+        module,
+        *worker_args,
+    ])
+    # The workers print their own errors; the agent's log lines would repeat them as noise.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        elastic_run(args)
+    except ChildFailedError as e:
+        return report_failures({rank: f.exitcode for rank, f in e.failures.items()})
+    return 0
+
+
+def report_failures(exitcodes: dict[int, int]) -> int:
+    """One line naming the rank that failed first-hand; returns the exit code to pass on.
+
+    Ranks stopped by the agent with SIGTERM are collateral: the cause is another rank's failure.
+    (dtlab's workers turn SIGTERM into exit code 128 + 15 so that their cleanup runs.)
+    """
+    stopped = (-signal.SIGTERM, 128 + signal.SIGTERM)
+    causes = {r: c for r, c in exitcodes.items() if c not in stopped} or exitcodes
+    rank, code = min(causes.items())
+    if code != 2:  # 2 = bad input, which the worker already explained in one line
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        others = sorted(set(exitcodes) - {rank})
+        rest = f"; ranks {others} were stopped" if others else ""
+        print(f"dtlab: error: worker rank {rank} failed with {how}{rest}", file=sys.stderr)
+    return code if code > 0 else 128 - code  # killed by signal N -> 128 + N
