@@ -1,0 +1,35 @@
+"""Model zoo. Every model has `blocks()`: the modules that FSDP wraps (shards) one by one."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from dtlab.config import ModelConfig
+from dtlab.data import DataSpec
+from dtlab.models.cnn import SimpleCNN
+from dtlab.models.gpt import GPT
+from dtlab.models.resnet import ResNet
+
+__all__ = ["GPT", "ResNet", "SimpleCNN", "build_model", "count_params", "has_batchnorm"]
+
+
+def build_model(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
+    if cfg.name == "cnn":
+        return SimpleCNN(
+            spec.in_channels, spec.image_size, spec.num_classes, cfg.channels, cfg.hidden,
+            cfg.batch_norm, cfg.activation, cfg.pool,
+        )
+    if cfg.name == "resnet":
+        return ResNet(cfg.depth, cfg.width, spec.in_channels, spec.num_classes)
+    return GPT(
+        cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.vocab_size, cfg.dropout, cfg.bias,
+        cfg.tie_weights,
+    )
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
