@@ -1,0 +1,102 @@
+"""`dtlab` command line: train, compare, config.
+
+Bad input ends with one line on stderr and exit code 2. torch is imported only when work starts,
+so configuration mistakes are reported at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dtlab.config import check_environment, check_world, load_config, to_yaml, valid_keys
+from dtlab.errors import DtlabError
+
+
+def _add_launch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file (default: the built-in quick config)")
+    p.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                   help="local worker processes (one per GPU); >1 starts them through torch elastic")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes taking part (multi-node torchrun)")
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (multi-node; default "
+                   "127.0.0.1 with a free port)")
+    p.add_argument("--rdzv-id", default="dtlab", help="job id shared by all nodes")
+    p.add_argument("--max-restarts", type=int, default=0, help="restarts of the worker group")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    world = args.nproc_per_node * args.nnodes
+    if args.nproc_per_node < 1 or args.nnodes < 1:
+        raise DtlabError("--nproc-per-node and --nnodes must be at least 1")
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        raise DtlabError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT reachable from every node")
+    cfg = load_config(args.config, args.overrides)  # fail before any process starts
+    if world == 1:
+        from dtlab.train import run
+
+        return run(args.config, args.overrides)
+    check_world(cfg, world, args.nproc_per_node)
+    check_environment(cfg)
+    from dtlab.launch import launch
+
+    worker_args = (["--config", args.config] if args.config else []) + list(args.overrides)
+    return launch(worker_args, args.nproc_per_node, args.nnodes, args.rdzv_endpoint,
+                  args.rdzv_id, args.max_restarts)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from dtlab.compare import compare
+
+    return compare(args)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    if args.keys:
+        print("\n".join(valid_keys()))
+        return 0
+    print(to_yaml(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dtlab", description="A distributed-training lab for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train with one strategy (torchrun-compatible)")
+    _add_launch_args(p)
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. strategy.name=fsdp train.lr=0.1")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("compare", help="run several strategies on one config and tabulate them")
+    p.add_argument("--strategies", default="single,ddp,fsdp,fsdp1",
+                   help="comma list; fsdp1:SHARD_GRAD_OP selects a sharding strategy")
+    p.add_argument("--nproc-per-node", type=int, default=2, metavar="N")
+    p.add_argument("--config")
+    p.add_argument("--out", default="runs/compare", help="directory for the runs and compare.csv")
+    p.add_argument("--verify", action="store_true",
+                   help="check per-step losses and final parameters against `single`")
+    p.add_argument("--tolerance", type=float, default=1e-5, help="largest relative deviation allowed")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("config", help="print the resolved config (or --keys: every valid key)")
+    p.add_argument("--config")
+    p.add_argument("--keys", action="store_true")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DtlabError as e:
+        print(f"dtlab: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

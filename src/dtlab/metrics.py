@@ -1,0 +1,147 @@
+"""What a run measures and how it is written: metrics.jsonl, summary.json, `[METRIC]` lines.
+
+Memory is reported two ways. Peak memory per rank is what the allocator saw (CUDA: max allocated
+and reserved; CPU: the process's peak RSS). State bytes per rank are exact: the bytes of the
+storages behind the parameters, gradients and optimizer state this rank holds (local shards only,
+each storage counted once). On CPU, glibc's allocator hides FSDP's savings from peak RSS, so the
+state bytes are the honest comparison there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from torch import nn
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # DTensor -> this rank's shard
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = _local(t).untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    params = list(model.parameters())
+    opt_tensors = [
+        v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+    ]
+    return {
+        "param_bytes": storage_bytes(params),
+        "grad_bytes": storage_bytes(p.grad for p in params if p.grad is not None),
+        "optim_bytes": storage_bytes(opt_tensors),
+    }
+
+
+def peak_memory(device: torch.device) -> dict[str, int]:
+    if device.type == "cuda":
+        return {
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        }
+    # ru_maxrss is in KiB on Linux (bytes on macOS).
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_rss_bytes": rss if sys.platform == "darwin" else rss * 1024}
+
+
+def time_stats(times: list[float]) -> dict[str, float]:
+    if not times:
+        return {}
+    q = statistics.quantiles(times, n=10) if len(times) > 1 else [times[0]] * 9
+    return {"median": statistics.median(times), "p10": q[0], "p90": q[-1], "mean": statistics.fmean(times)}
+
+
+def metric_line(record: dict[str, Any]) -> str:
+    """`[METRIC] key=value ...`, the line format grep-based collectors parse."""
+    def fmt(v: Any) -> str:
+        return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+    return "[METRIC] " + " ".join(f"{k}={fmt(v)}" for k, v in record.items())
+
+
+class MetricsLog:
+    """Rank 0 writes; other ranks call the same methods, which do nothing."""
+
+    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, progress: bool | str,
+                 tensorboard: bool = False) -> None:
+        self.enabled = enabled
+        self.jsonl: TextIO | None = None
+        self.bar = None
+        self.tb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
+        self.jsonl = open(run_dir / "metrics.jsonl", "w")  # noqa: SIM115 - closed in close()
+        interactive = progress is True or (progress == "auto" and sys.stdout.isatty())
+        if interactive:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+
+    def _print(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def log(self, record: dict[str, Any], quiet: bool = False) -> None:
+        if not self.enabled:
+            return
+        assert self.jsonl is not None
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, record.get("step", 0))
+        if not quiet:
+            self._print(metric_line(record))
+
+    def advance(self, steps: int, loss: float | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+            if loss is not None:
+                self.bar.set_postfix(loss=f"{loss:.4f}")
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        path = self.run_dir / "summary.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, path)
+        flat = {k: v for k, v in summary.items() if isinstance(v, (int, float, str)) and k in SUMMARY_LINE}
+        self._print(metric_line({"summary": 1, **flat}))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+SUMMARY_LINE = (
+    "strategy", "world_size", "steps", "median_step_time_s", "samples_per_s", "tokens_per_s",
+    "final_train_loss", "val_loss", "val_acc", "wall_time_s",
+)

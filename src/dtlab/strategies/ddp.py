@@ -1,0 +1,34 @@
+"""DistributedDataParallel: a full replica per rank; gradients all-reduced in buckets during
+backward, overlapping communication with the rest of the backward pass."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dtlab.strategies.base import Strategy
+
+
+class DDP(Strategy):
+    name = "ddp"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        o = self.cfg.strategy.ddp
+        dev = self.ctx.device
+        return DistributedDataParallel(
+            self.prepare(model),
+            device_ids=[dev.index] if dev.type == "cuda" else None,
+            bucket_cap_mb=o.bucket_cap_mb,
+            gradient_as_bucket_view=o.gradient_as_bucket_view,
+            static_graph=o.static_graph,
+            find_unused_parameters=o.find_unused_parameters,
+        )
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
+        return model.no_sync()
+
+    def describe(self) -> dict[str, Any]:
+        return self.cfg.strategy.ddp.model_dump()
