@@ -1,0 +1,56 @@
+"""Shared helpers: run the real CLI in a subprocess and read what a run wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+
+def cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None,
+        cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`dtlab ARGS` as a user runs it (python -m dtlab), capturing its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "dtlab", *args], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})}, cwd=cwd or ROOT,
+    )
+
+
+def train(run_dir: Path, *overrides: str, nproc: int = 1, config: str | None = None,
+          timeout: float = 240) -> dict:
+    """Run `dtlab train`, assert success, return its summary."""
+    args = ["train", "--nproc-per-node", str(nproc)]
+    args += ["--config", config] if config else []
+    args += [*overrides, f"run.dir={run_dir}", "run.log_every=1", "run.progress=false"]
+    proc = cli(*args, timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def step_losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+
+def max_rel_dev(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and a, (len(a), len(b))
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("runs")

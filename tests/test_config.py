@@ -1,0 +1,133 @@
+"""Config loading, overrides and the one-line errors for bad input (exit code 2)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from conftest import CONFIGS, cli
+
+from dtlab.cli import main
+from dtlab.config import Config, ConfigError, check_world, load_config, parse_value, valid_keys
+
+
+def test_default_config_is_quick_yaml() -> None:
+    builtin = load_config(None).model_dump()
+    quick = load_config(CONFIGS / "quick.yaml").model_dump()
+    assert builtin["run"].pop("dir") == "runs/quick-single"
+    assert quick["run"].pop("dir") == "runs/quick-single"
+    assert builtin == quick
+
+
+def test_every_shipped_config_validates() -> None:
+    for path in CONFIGS.glob("*.yaml"):
+        cfg = load_config(path)
+        assert cfg.run.dir == f"runs/{path.stem}-{cfg.strategy.name}"
+    assert load_config(CONFIGS / "fsdp_gpt.yaml").model.name == "gpt"
+
+
+def test_override_values_are_typed() -> None:
+    cfg = load_config(None, ["train.lr=1e-3", "model.channels=[8, 16]", "seed=7",
+                             "strategy.name=fsdp1", "strategy.fsdp1.sharding_strategy=SHARD_GRAD_OP",
+                             "run.progress=false", "run.dir=/tmp/x"])
+    assert cfg.train.lr == pytest.approx(1e-3) and isinstance(cfg.train.lr, float)
+    assert cfg.model.channels == [8, 16] and cfg.seed == 7 and cfg.run.progress is False
+    assert cfg.strategy.fsdp1.sharding_strategy == "SHARD_GRAD_OP" and cfg.run.dir == "/tmp/x"
+    assert parse_value("2.5e-4") == pytest.approx(2.5e-4)
+    assert parse_value("FULL_SHARD") == "FULL_SHARD"
+
+
+def test_model_section_switches_by_name() -> None:
+    cfg = load_config(None, ["model={name: gpt, n_layer: 2}", "data.name=synthetic"])
+    assert cfg.model.name == "gpt" and cfg.model.n_layer == 2 and cfg.model.n_head == 4
+
+
+def test_check_world_returns_micro_batch() -> None:
+    cfg = load_config(None, ["strategy.name=ddp", "train.global_batch_size=64",
+                             "train.grad_accum_steps=2"])
+    assert check_world(cfg, 4) == 8
+    with pytest.raises(ConfigError, match="multiple of 24"):
+        check_world(cfg, 12)
+
+
+def test_valid_keys_cover_all_sections() -> None:
+    keys = valid_keys()
+    for key in ("seed", "strategy.name", "train.global_batch_size", "train.grad_accum_steps",
+                "train.max_steps", "train.lr", "run.dir", "model.n_head", "model.channels",
+                "strategy.fsdp1.sharding_strategy", "strategy.ddp.bucket_cap_mb"):
+        assert key in keys
+
+
+BAD = [
+    # (arguments, text the one-line message must contain)
+    (["train.lrr=0.1"], "unknown config key 'train.lrr'; fix: remove it (did you mean 'train.lr'?)"),
+    (["train.lr=abc"], "train.lr: Input should be a valid number"),
+    (["train.lr=-1"], "train.lr: Input should be greater than 0"),
+    (["train.momentum=1.5"], "train.momentum"),
+    (["train.max_steps=2.5"], "train.max_steps"),
+    (["strategy.name=zero9"], "strategy.name: Input should be 'single', 'ddp', 'fsdp' or 'fsdp1'"),
+    (["strategy.fsdp1.sharding_strategy=HALF_SHARD"], "strategy.fsdp1.sharding_strategy"),
+    (["model.channels=abc"], "model.channels"),
+    (["model.channels=[]"], "model.channels"),
+    (["model.name=transformer"], "model.name"),
+    (["model.name=gpt", "model.n_embd=100", "model.n_head=3"], "model.n_embd=100 is not divisible"),
+    (["model.name=gpt", "data.name=cifar10"], "cannot train on data.name=cifar10"),
+    (["model.name=resnet", "strategy.name=fsdp", "train.compile=true"], "BatchNorm"),
+    (["strategy.fsdp1.shard_group_size=2"], "only applies to HYBRID_SHARD"),
+    (["train.lr"], "must look like key=value"),
+    (["--config", "missing.yaml"], "config file 'missing.yaml' not found"),
+    (["--nproc-per-node", "4", "strategy.name=ddp", "train.global_batch_size=2"],
+     "train.global_batch_size=2 must be a positive multiple of world_size(4)"),
+    (["--nproc-per-node", "2", "strategy.name=ddp", "train.global_batch_size=63"],
+     "fix: set train.global_batch_size to a multiple of 2"),
+    (["--nproc-per-node", "4", "strategy.name=fsdp1", "strategy.fsdp1.sharding_strategy=HYBRID_SHARD",
+      "strategy.fsdp1.shard_group_size=3"], "HYBRID_SHARD cannot split world_size=4"),
+    (["--nproc-per-node", "2"], "strategy.name=single runs one process"),
+    (["run.device=cuda"], "run.device=cuda but no CUDA device"),
+    (["run.tensorboard=true"], "run.tensorboard=true needs the tensorboard package"),
+]
+
+
+@pytest.mark.parametrize(("args", "expected"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_config_exits_2_with_one_line(args: list[str], expected: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    if args[0] == "run.device=cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a CUDA device is present")
+    if args[0] == "run.tensorboard=true" and importlib.util.find_spec("tensorboard"):
+        pytest.skip("tensorboard is installed")
+    code = main(["train", *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("dtlab: error: ") and expected in lines[0], lines[0]
+    assert "fix" in lines[0] or "should be" in lines[0] or "must" in lines[0]
+
+
+def test_bad_yaml_file(tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lr: [0.1\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    assert "is not valid YAML at line" in capsys.readouterr().err
+    bad.write_text("- 1\n- 2\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    assert "must hold a mapping" in capsys.readouterr().err
+
+
+def test_bad_config_through_the_real_command_has_no_traceback() -> None:
+    for args in (["train", "train.global_batch_size=0"],
+                 ["train", "--nproc-per-node", "2", "strategy.name=fsdp", "train.global_batch_size=7"],
+                 ["compare", "--strategies", "ddp,zero7"]):
+        proc = cli(*args, timeout=60)
+        assert proc.returncode == 2, proc
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_config_command_prints_resolved_yaml(capsys) -> None:
+    assert main(["config", "train.lr=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "lr: 0.5" in out
+    assert Config.model_validate(__import__("yaml").safe_load(out)).train.lr == 0.5

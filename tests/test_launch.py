@@ -1,0 +1,93 @@
+"""Launch paths: `dtlab train`, torchrun, srun-style SLURM variables, and timeouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, free_port, step_losses, train
+
+STEPS = "train.max_steps=8"
+
+
+@pytest.fixture(scope="module")
+def via_dtlab(session_dir: Path) -> Path:
+    run = session_dir / "launch-dtlab"
+    train(run, "strategy.name=ddp", STEPS, nproc=2)
+    return run
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "RANK", "LOCAL_", "WORLD_", "MASTER_", "TORCHELASTIC"))}
+    return {**env, **extra}
+
+
+def test_torchrun_gives_the_same_losses(via_dtlab: Path, session_dir: Path) -> None:
+    run = session_dir / "launch-torchrun"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run(
+        [str(torchrun), "--nproc_per_node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+         "-m", "dtlab.train", "strategy.name=ddp", STEPS, f"run.dir={run}", "run.log_every=1",
+         "run.progress=false"],
+        capture_output=True, text=True, timeout=240, env=worker_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert step_losses(run) == step_losses(via_dtlab)
+    a, b = (json.loads((r / "summary.json").read_text()) for r in (run, via_dtlab))
+    assert a["world_size"] == b["world_size"] == 2 and a["threads_per_rank"] == b["threads_per_rank"]
+    assert a["launcher"] == b["launcher"] == "torchrun"
+
+
+def test_srun_style_variables_give_the_same_losses(via_dtlab: Path, session_dir: Path) -> None:
+    run = session_dir / "launch-slurm"
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dtlab.train", "strategy.name=ddp", STEPS, f"run.dir={run}",
+             "run.log_every=1", "run.progress=false"],
+            env=worker_env(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r),
+                           SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost",
+                           SLURM_NTASKS_PER_NODE="2", SLURM_JOB_ID="4242", MASTER_PORT=port),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        for r in range(2)
+    ]
+    outputs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert step_losses(run) == step_losses(via_dtlab)
+    assert json.loads((run / "summary.json").read_text())["launcher"] == "slurm"
+
+
+HANG_WORKER = """
+import sys, time, torch, torch.distributed as dist
+from dtlab.distributed import distributed
+with distributed(timeout_s=3) as ctx:
+    if ctx.rank == 1:
+        time.sleep(120)  # a rank that stops taking part
+    t0 = time.perf_counter()
+    try:
+        dist.all_reduce(torch.ones(1))
+    except Exception as e:
+        print(f"rank 0 gave up after {time.perf_counter() - t0:.1f}s: {str(e).splitlines()[0]}",
+              flush=True)
+        sys.exit(3)
+"""
+
+
+def test_a_stuck_rank_fails_the_others_within_the_timeout(tmp_path: Path) -> None:
+    (tmp_path / "hang_worker.py").write_text(HANG_WORKER)
+    code = "import sys; from dtlab.launch import launch; sys.exit(launch([], 2, module='hang_worker'))"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90,
+                          env=worker_env(PYTHONPATH=str(tmp_path)), cwd=tmp_path)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "rank 0 gave up after" in proc.stdout and "timed out" in proc.stdout.lower()
+    assert "worker rank 0 failed with exit code 3" in proc.stderr
+    assert elapsed < 60  # the sleeping rank was stopped, not waited for
+    leftover = subprocess.run(["pgrep", "-f", "hang_worker"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == ""
