@@ -144,6 +144,17 @@ def test_download_failure_is_explained(tmp_path) -> None:
         download((tmp_path / "absent.tar.gz").as_uri(), tmp_path / "x", md5="0" * 32)
 
 
+def test_resnet_trains_on_cifar10_files_with_augmentation(tmp_path) -> None:
+    write_cifar10(tmp_path, per_file=8, test=6)
+    run = tmp_path / "run"
+    assert main(["train", "model.name=resnet", "model.width=0.0625", "data.name=cifar10",
+                 f"data.dir={tmp_path}", "data.augment=true", f"run.dir={run}",
+                 "train.global_batch_size=20", "run.progress=false"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["model"] == "resnet"
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["val_count"] == 6
+
+
 def test_corrupt_cifar10_through_the_cli(tmp_path, capsys) -> None:
     folder = write_cifar10(tmp_path, per_file=10)
     (folder / "data_batch_1.bin").write_bytes(b"\x01" * 5000)
@@ -176,6 +187,25 @@ def test_mnist_corrupt_files(tmp_path) -> None:
     gz.write_bytes(gz.read_bytes()[:20])
     with pytest.raises(DataError, match="cannot be read"):
         mnist.read_split(gz.parent, "test")
+
+
+def test_corrupt_mnist_through_the_cli(tmp_path, capsys) -> None:
+    folder = write_mnist(tmp_path)
+    labels = folder / (mnist.FILES["test"][1] + ".gz")
+    labels.write_bytes(labels.read_bytes()[:-3])  # a truncated download
+    code = main(["train", "data.name=mnist", f"data.dir={tmp_path}", f"run.dir={tmp_path / 'r'}",
+                 "train.global_batch_size=10"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "t10k-labels-idx1-ubyte.gz cannot be read" in err[0]
+
+
+def test_mnist_trains_from_idx_files(tmp_path) -> None:
+    write_mnist(tmp_path, train=40, test=10)
+    run = tmp_path / "run"
+    assert main(["train", "data.name=mnist", f"data.dir={tmp_path}", f"run.dir={run}",
+                 "train.global_batch_size=10", "run.progress=false"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["data"] == "mnist"
 
 
 def test_mnist_download_from_a_mirror(tmp_path) -> None:

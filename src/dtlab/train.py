@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import os
 import platform
 import socket
 import sys
@@ -82,6 +83,9 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     strategy = build_strategy(cfg, ctx)
     model = strategy.wrap(model)
     optimizer = strategy.build_optimizer(model)  # after wrapping: over the shards this rank owns
+    if t.compile:
+        # A persistent cache: the first compile costs tens of seconds, later runs reuse it.
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache/dtlab/inductor"))
     forward = torch.compile(model) if t.compile else model
 
     loader = TrainLoader(train_set, ctx.rank, ctx.world_size, micro, t.grad_accum_steps, cfg.seed)

@@ -1,0 +1,35 @@
+"""Typed configuration: the schema (`schema.py`) and how files and overrides become one (`load.py`)."""
+
+from dtlab.config.load import (
+    apply_override,
+    format_validation_error,
+    load_config,
+    parse_value,
+    read_yaml,
+    to_yaml,
+    valid_keys,
+)
+from dtlab.config.schema import (
+    SHARDING_STRATEGIES,
+    STRATEGIES,
+    CNNConfig,
+    Config,
+    DataConfig,
+    GPTConfig,
+    ModelConfig,
+    ResNetConfig,
+    RunConfig,
+    StrategyConfig,
+    SyntheticConfig,
+    TrainConfig,
+    check_environment,
+    check_world,
+)
+from dtlab.errors import ConfigError
+
+__all__ = [
+    "SHARDING_STRATEGIES", "STRATEGIES", "CNNConfig", "Config", "ConfigError", "DataConfig",
+    "GPTConfig", "ModelConfig", "ResNetConfig", "RunConfig", "StrategyConfig", "SyntheticConfig",
+    "TrainConfig", "apply_override", "check_environment", "check_world", "format_validation_error",
+    "load_config", "parse_value", "read_yaml", "to_yaml", "valid_keys",
+]
