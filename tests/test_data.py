@@ -149,7 +149,7 @@ def test_resnet_trains_on_cifar10_files_with_augmentation(tmp_path) -> None:
     run = tmp_path / "run"
     assert main(["train", "model.name=resnet", "model.width=0.0625", "data.name=cifar10",
                  f"data.dir={tmp_path}", "data.augment=true", f"run.dir={run}",
-                 "train.global_batch_size=20", "run.progress=false"]) == 0
+                 "train.global_batch_size=20", "train.epochs=1", "run.progress=false"]) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["model"] == "resnet"
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["val_count"] == 6
@@ -203,7 +203,7 @@ def test_mnist_trains_from_idx_files(tmp_path) -> None:
     write_mnist(tmp_path, train=40, test=10)
     run = tmp_path / "run"
     assert main(["train", "data.name=mnist", f"data.dir={tmp_path}", f"run.dir={run}",
-                 "train.global_batch_size=10", "run.progress=false"]) == 0
+                 "train.global_batch_size=10", "train.epochs=1", "run.progress=false"]) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["data"] == "mnist"
 

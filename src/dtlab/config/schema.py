@@ -89,7 +89,7 @@ class SyntheticConfig(Section):
     image_size: PositiveInt = 32
     in_channels: PositiveInt = 3
     num_classes: int = Field(10, ge=2)
-    noise: NonNegativeFloat = 12.0
+    noise: NonNegativeFloat = 10.0
 
 
 class DataConfig(Section):
@@ -108,7 +108,7 @@ class TrainConfig(Section):
     global_batch_size: PositiveInt = 64
     grad_accum_steps: PositiveInt = 1
     max_steps: NonNegativeInt = 0  # 0 = run `epochs` full epochs
-    epochs: PositiveInt = 1
+    epochs: PositiveInt = 3
     optimizer: Literal["sgd", "adamw"] = "sgd"
     lr: PositiveFloat = 0.05
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
