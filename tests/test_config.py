@@ -73,7 +73,7 @@ BAD = [
     (["model.name=gpt", "model.n_embd=100", "model.n_head=3"], "model.n_embd=100 is not divisible"),
     (["model.name=gpt", "data.name=cifar10"], "cannot train on data.name=cifar10"),
     (["model.name=resnet", "strategy.name=fsdp", "train.compile=true"], "BatchNorm"),
-    (["strategy.fsdp1.shard_group_size=2"], "only applies to HYBRID_SHARD"),
+    (["strategy.fsdp1.backward_prefetch=SOMETIMES"], "strategy.fsdp1.backward_prefetch"),
     (["train.lr"], "must look like key=value"),
     (["--config", "missing.yaml"], "config file 'missing.yaml' not found"),
     (["--nproc-per-node", "4", "strategy.name=ddp", "train.global_batch_size=2"],

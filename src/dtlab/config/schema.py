@@ -154,7 +154,7 @@ class FSDP1Options(Section):
     sharding_strategy: Literal[SHARDING_STRATEGIES] = "FULL_SHARD"  # type: ignore[valid-type]
     auto_wrap: Literal["block", "size", "none"] = "block"
     min_num_params: PositiveInt = 100_000  # for auto_wrap=size
-    shard_group_size: NonNegativeInt = 0  # HYBRID_SHARD: ranks per shard group, 0 = ranks per node
+    shard_group_size: NonNegativeInt = 0  # HYBRID_SHARD only: ranks per shard group, 0 = per node
     cpu_offload: bool = False
     backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "none"] = "BACKWARD_PRE"
     forward_prefetch: bool = False
@@ -214,13 +214,6 @@ class Config(Section):
             raise ValueError(
                 "train.compile with strategy fsdp fails on BatchNorm models in this torch release; "
                 "fix: set train.compile=false, or use strategy ddp/fsdp1"
-            )
-        if self.strategy.fsdp1.shard_group_size and self.strategy.fsdp1.sharding_strategy != (
-            "HYBRID_SHARD"
-        ):
-            raise ValueError(
-                "strategy.fsdp1.shard_group_size only applies to HYBRID_SHARD; "
-                "fix: remove it or set strategy.fsdp1.sharding_strategy=HYBRID_SHARD"
             )
         return self
 

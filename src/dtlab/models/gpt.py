@@ -14,7 +14,9 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = n_head
         self.q_proj = nn.Linear(n_embd, n_embd, bias=bias)
-        self.k_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        # No key bias: it adds the same amount to all scores of a query, which softmax ignores, so
+        # its gradient is exactly zero and AdamW would only random-walk it on rounding noise.
+        self.k_proj = nn.Linear(n_embd, n_embd, bias=False)
         self.v_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.out_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.dropout = dropout

@@ -9,8 +9,27 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
+
+
+class AllReduceSum(torch.autograd.Function):
+    """Differentiable sum over ranks: the gradient of a sum over ranks is the sum of the gradients.
+
+    (torch.distributed.nn.functional.all_reduce does this but is deprecated in torch 2.13, and its
+    replacement in _functional_collectives gained autograd only in recent releases.)
+    """
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
 
 
 class GlobalBatchNorm2d(nn.BatchNorm2d):
@@ -19,10 +38,10 @@ class GlobalBatchNorm2d(nn.BatchNorm2d):
             return super().forward(x)
         dims = (0, 2, 3)
         local_count = torch.tensor([x.numel() / x.shape[1]], device=x.device, dtype=x.dtype)
-        count = dist_fn.all_reduce(local_count)
-        mean = dist_fn.all_reduce(x.sum(dims)) / count
+        count = AllReduceSum.apply(local_count)
+        mean = AllReduceSum.apply(x.sum(dims)) / count
         centred = x - mean.view(1, -1, 1, 1)
-        var = dist_fn.all_reduce((centred * centred).sum(dims)) / count
+        var = AllReduceSum.apply((centred * centred).sum(dims)) / count
         if self.track_running_stats:
             with torch.no_grad():
                 m = self.momentum if self.momentum is not None else 0.1
