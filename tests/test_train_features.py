@@ -110,6 +110,13 @@ def test_gpt_fsdp_matches_single(session_dir: Path) -> None:
     assert summary["tokens_per_s"] == pytest.approx(summary["samples_per_s"] * 32)
 
 
+def test_compile_keeps_the_losses(reference: Path, session_dir: Path) -> None:
+    run = session_dir / "ddp-compiled"
+    summary = train(run, "strategy.name=ddp", "train.compile=true", *SHORT, nproc=2, timeout=400)
+    assert summary["compile"] is True
+    assert max_rel_dev(step_losses(run), step_losses(reference)) < TOL
+
+
 def test_synthetic_data_is_learnable(session_dir: Path) -> None:
     run = session_dir / "learn"
     summary = train(run, "train.max_steps=200")
