@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from dtlab.compare import loss_deviation, read_run
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 
@@ -36,13 +38,12 @@ def train(run_dir: Path, *overrides: str, nproc: int = 1, config: str | None = N
 
 
 def step_losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+    return read_run(run_dir)[1]
 
 
 def max_rel_dev(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b) and a, (len(a), len(b))
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+    return loss_deviation(a, b)
 
 
 def free_port() -> int:

@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli, max_rel_dev, step_losses, train
-from safetensors.torch import load_file
+from safetensors.torch import save_file
+
+from dtlab.compare import loss_deviation, param_deviation, parse_spec
+from dtlab.errors import ConfigError
 
 STEPS = 24
 STRATEGIES = ["single", "ddp", "fsdp", "fsdp1", "fsdp1:SHARD_GRAD_OP"]
@@ -21,9 +24,21 @@ TOL = 1e-5
 
 
 def param_dev(a: Path, b: Path) -> float:
-    pa, pb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
-    assert pa.keys() == pb.keys()
-    return max(((pa[k] - pb[k]).abs().max() / pb[k].abs().max()).item() for k in pb)
+    return param_deviation(a / "model.safetensors", b / "model.safetensors")
+
+
+def test_deviation_measures(tmp_path: Path) -> None:
+    assert loss_deviation([1.0, 2.0], [1.0, 2.5]) == pytest.approx(0.2)
+    assert loss_deviation([1.0], [1.0, 2.0]) == float("inf")  # a missing step is a failure
+    save_file({"w": torch.tensor([1.0, -4.0]), "b": torch.tensor([0.5])}, str(tmp_path / "a"))
+    save_file({"w": torch.tensor([1.0, -4.2]), "b": torch.tensor([0.5])}, str(tmp_path / "b"))
+    assert param_deviation(tmp_path / "a", tmp_path / "b") == pytest.approx(0.2 / 4.2)
+    save_file({"w": torch.tensor([1.0, -4.0])}, str(tmp_path / "c"))
+    assert param_deviation(tmp_path / "c", tmp_path / "b") == float("inf")  # a missing tensor
+    assert parse_spec("fsdp1:HYBRID_SHARD") == [
+        "strategy.name=fsdp1", "strategy.fsdp1.sharding_strategy=HYBRID_SHARD"]
+    with pytest.raises(ConfigError, match="only fsdp1 takes a variant"):
+        parse_spec("ddp:FULL_SHARD")
 
 
 @pytest.fixture(scope="module")

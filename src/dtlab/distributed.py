@@ -109,13 +109,16 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("run.device=cuda but no CUDA device is visible; fix: run.device=cpu")
-        if local_rank >= torch.cuda.device_count():
+        visible = torch.cuda.device_count()
+        # One visible GPU per process (SLURM's --gpus-per-task binding): it is this rank's.
+        index = 0 if visible == 1 else local_rank
+        if index >= visible:
             raise ConfigError(
-                f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
+                f"local rank {local_rank} has no GPU ({visible} visible); "
                 "fix: start at most one process per GPU"
             )
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
@@ -225,6 +228,8 @@ def distributed(
                     rank=env.rank,
                     world_size=env.world_size,
                     timeout=timeout,
+                    # NCCL: bind the group to this rank's GPU (eager init, no device guessing).
+                    device_id=dev if group_backend == "nccl" else None,
                 )
         yield DistContext(env=env, device=dev, backend=group_backend, threads=n_threads)
     finally:
