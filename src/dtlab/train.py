@@ -182,7 +182,7 @@ def summarize(cfg: Config, ctx: DistContext, strategy: Strategy, spec: DataSpec,
         "launcher": ctx.env.launcher,
         "backend": ctx.backend or "none",
         "device": ctx.device.type,
-        "device_name": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else platform.processor() or platform.machine(),
+        "device_name": device_name(ctx.device),
         "threads_per_rank": ctx.threads,
         "model": cfg.model.name,
         "n_params": n_params,
@@ -214,6 +214,12 @@ def summarize(cfg: Config, ctx: DistContext, strategy: Strategy, spec: DataSpec,
     if spec.kind == "tokens" and summary["samples_per_s"]:
         summary["tokens_per_s"] = summary["samples_per_s"] * spec.seq_len
     return summary
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
 
 
 def save_model(strategy: Strategy, model: nn.Module, path: Path, ctx: DistContext) -> None:
