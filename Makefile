@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/dtlab compare --strategies single,ddp,fsdp,fsdp1 --nproc-per-node 2 --verify --out runs/demo
+	$(VENV)/bin/dtlab report runs/demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

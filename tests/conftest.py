@@ -55,3 +55,24 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("runs")
+
+
+LOCAL_SWEEP = """
+base: {base}
+overrides: {{train.max_steps: 12}}
+matrix:
+  strategy.name: [ddp, fsdp]
+  nproc_per_node: [1, 2]
+timeout_s: 180
+"""
+
+
+@pytest.fixture(scope="session")
+def local_sweep(session_dir: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """2 strategies x {1, 2} ranks on the quick config, swept locally (shared by several tests)."""
+    spec = session_dir / "sweep.yaml"
+    spec.write_text(LOCAL_SWEEP.format(base=CONFIGS / "quick.yaml"))
+    out = session_dir / "sweep"
+    proc = cli("sweep", str(spec), "--out", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc

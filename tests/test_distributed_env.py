@@ -18,15 +18,19 @@ def test_no_launcher_means_one_process() -> None:
 
 def test_torchrun_variables() -> None:
     env = detect_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-                      "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+                      "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234", "TORCHELASTIC_RUN_ID": "x"})
     assert env == DistEnv(3, 1, 4, 2, "10.0.0.1", 1234, "torchrun")
     assert env.nnodes == 2
+    assert detect_env({"RANK": "0", "WORLD_SIZE": "1"}).launcher == "env"
 
 
 def test_torchrun_inside_slurm_wins() -> None:
     env = detect_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "SLURM_PROCID": "0",
-                      "SLURM_NTASKS": "8"})
+                      "SLURM_NTASKS": "8", "TORCHELASTIC_RUN_ID": "42"})
     assert env.launcher == "torchrun" and env.rank == 1 and env.world_size == 2
+    # srun tasks whose script exported RANK/WORLD_SIZE from SLURM's variables
+    mapped = detect_env({"RANK": "3", "WORLD_SIZE": "4", "SLURM_PROCID": "3", "SLURM_NTASKS": "4"})
+    assert mapped.launcher == "slurm" and mapped.rank == 3
 
 
 def test_slurm_srun_variables() -> None:

@@ -1,4 +1,4 @@
-"""`dtlab` command line: train, compare, config.
+"""`dtlab` command line: train, compare, sweep, collect, plot, report, config.
 
 Bad input ends with one line on stderr and exit code 2. torch is imported only when work starts,
 so configuration mistakes are reported at once.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from dtlab.config import check_environment, check_world, load_config, to_yaml, valid_keys
 from dtlab.errors import DtlabError
@@ -50,6 +51,38 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return compare(args)
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from dtlab.sweeps import run_sweep
+
+    return run_sweep(args.spec, args.launcher, args.dry_run, args.out, args.timeout)
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    from dtlab.results import collect, write_csv
+
+    rows = collect(*map(Path, args.dirs))
+    print(f"{len(rows)} runs -> {write_csv(rows, Path(args.output))}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from dtlab.results import plot_results, read_csv
+
+    comm = [r for path in args.comm for r in read_csv(Path(path))]
+    figures = plot_results(read_csv(Path(args.results)), Path(args.output), comm)
+    for fig in figures:
+        print(f"{Path(args.output) / fig['files'][0]}  {fig['title']}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from dtlab.results import write_outputs
+
+    write_outputs(Path(args.dir), Path(args.output) if args.output else None,
+                  tuple(Path(c) for c in args.comm))
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     if args.keys:
         print("\n".join(valid_keys()))
@@ -79,6 +112,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_compare)
 
+    p = sub.add_parser("sweep", help="run every combination of a matrix, locally or on SLURM")
+    p.add_argument("spec", help="sweep spec YAML (base config, overrides, matrix)")
+    p.add_argument("--launcher", choices=["local", "slurm"], default="local")
+    p.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
+    p.add_argument("--out", help="output directory (default: sweeps/<spec name>)")
+    p.add_argument("--timeout", type=float, help="seconds per run (default: the spec's timeout_s)")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("collect", help="one CSV row per run found under the directories")
+    p.add_argument("dirs", nargs="+")
+    p.add_argument("-o", "--output", default="results.csv")
+    p.set_defaults(func=cmd_collect)
+
+    p = sub.add_parser("plot", help="scaling, memory and accuracy figures from results.csv")
+    p.add_argument("results")
+    p.add_argument("comm", nargs="*", help="collective-benchmark CSVs (dtlab comm --csv)")
+    p.add_argument("-o", "--output", default="plots")
+    p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("report", help="results.csv, plots and one self-contained report.html")
+    p.add_argument("dir")
+    p.add_argument("-o", "--output", help="default: DIR/report.html")
+    p.add_argument("--comm", nargs="*", default=[], help="collective-benchmark CSVs")
+    p.set_defaults(func=cmd_report)
+
     p = sub.add_parser("config", help="print the resolved config (or --keys: every valid key)")
     p.add_argument("--config")
     p.add_argument("--keys", action="store_true")
@@ -96,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

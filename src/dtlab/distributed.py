@@ -34,7 +34,7 @@ class DistEnv:
     local_world_size: int = 1
     master_addr: str | None = None
     master_port: int | None = None
-    launcher: str = "none"  # torchrun | slurm | none
+    launcher: str = "none"  # torchrun | slurm | env (RANK etc. set by hand) | none
 
     @property
     def nnodes(self) -> int:
@@ -81,7 +81,9 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
             master_addr=env.get("MASTER_ADDR"),
             master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None,
-            launcher="torchrun",
+            # torch elastic marks its workers; srun tasks that export RANK keep SLURM's variables.
+            launcher="torchrun" if "TORCHELASTIC_RUN_ID" in env
+            else "slurm" if "SLURM_PROCID" in env else "env",
         )
     ntasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
     if "SLURM_PROCID" in env and ntasks and int(ntasks) > 1:

@@ -13,3 +13,7 @@ class ConfigError(DtlabError):
 
 class DataError(DtlabError):
     """A dataset is missing, truncated, corrupt or fails its checksum."""
+
+
+class PeerError(DtlabError):
+    """This rank stops because another rank failed; that rank prints the cause."""

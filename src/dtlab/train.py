@@ -14,6 +14,7 @@ import datetime
 import os
 import platform
 import socket
+import statistics
 import sys
 import time
 from itertools import islice
@@ -35,7 +36,7 @@ from dtlab.config import (
 )
 from dtlab.data import DataSpec, EvalLoader, TrainLoader, build_datasets
 from dtlab.distributed import DistContext, detect_env, distributed
-from dtlab.errors import DtlabError
+from dtlab.errors import DtlabError, PeerError
 from dtlab.metrics import MetricsLog, peak_memory, state_bytes, time_stats
 from dtlab.models import build_model, count_params
 from dtlab.optim import build_scheduler
@@ -101,6 +102,7 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     tokens_per_sample = spec.seq_len if spec.kind == "tokens" else 0
     step_times: list[float] = []
     data_times: list[float] = []
+    epoch_times: list[float] = []
     last_loss = float("nan")
     evals: dict[str, Any] = {}
 
@@ -147,6 +149,8 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
             log.log(record, quiet=log.bar is not None)
         log.advance(1, last_loss)
         end_of_epoch = step % loader.steps_per_epoch == 0
+        if end_of_epoch:  # training time of a complete epoch (evaluation not included)
+            epoch_times.append(sum(step_times[-loader.steps_per_epoch:]))
         if (t.eval_every and step % t.eval_every == 0) or (not t.eval_every and end_of_epoch) or (
             step == total_steps
         ):
@@ -155,6 +159,11 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
 
     summary = summarize(cfg, ctx, strategy, spec, model, optimizer, n_params, micro, step_times,
                         data_times, last_loss, evals, time.perf_counter() - started)
+    summary["steps_per_epoch"] = loader.steps_per_epoch
+    # Measured when at least one epoch completed, else the median step time x steps per epoch.
+    summary["epoch_time_measured"] = bool(epoch_times)
+    summary["epoch_time_s"] = (statistics.median(epoch_times) if epoch_times
+                               else summary["median_step_time_s"] * loader.steps_per_epoch)
     if cfg.run.save_model:
         save_model(strategy, model, run_dir / "model.safetensors", ctx)
     log.write_summary(summary)
@@ -248,8 +257,9 @@ def run(config: str | None, overrides: list[str]) -> int:
                          need_group=cfg.strategy.name != "single", env=env) as ctx:
             train(cfg, ctx)
     except DtlabError as e:
-        where = f"[rank {env.rank}] " if env.world_size > 1 else ""
-        print(f"dtlab: error: {where}{e}", file=sys.stderr)
+        if not isinstance(e, PeerError):  # the rank that failed first-hand explains it
+            where = f"[rank {env.rank}] " if env.world_size > 1 else ""
+            print(f"dtlab: error: {where}{e}", file=sys.stderr)
         return e.exit_code
     return 0
 

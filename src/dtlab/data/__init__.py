@@ -18,7 +18,7 @@ from dtlab.data.arrays import ArrayDataset, TokenWindows, augmenter, normalizer
 from dtlab.data.loader import Dataset, EvalLoader, TrainLoader
 from dtlab.data.synthetic import synthetic_images, synthetic_tokens
 from dtlab.distributed import DistContext
-from dtlab.errors import DataError
+from dtlab.errors import DataError, PeerError
 
 __all__ = ["DataSpec", "Dataset", "EvalLoader", "TrainLoader", "build_datasets"]
 
@@ -56,7 +56,7 @@ def _prepare_files(cfg: Config, ctx: DistContext) -> None:
     if error:
         raise error
     if ok.item() < ctx.world_size:
-        raise DataError("preparing the dataset failed on another node; see its error message")
+        raise PeerError("preparing the dataset failed on another node")
 
 
 def build_datasets(cfg: Config, ctx: DistContext) -> tuple[Dataset, Dataset, DataSpec]:

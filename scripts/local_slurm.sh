@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# A one-node SLURM cluster on localhost, for tests and for trying dtlab's SLURM path on a laptop.
+#
+#   sudo scripts/local_slurm.sh          # install (Debian packages) if missing, configure, start
+#   scripts/local_slurm.sh --status      # exit 0 when the cluster answers
+#   sudo scripts/local_slurm.sh --stop
+#
+# Safe to run again while the cluster is up (it then only checks it). No systemd and no cgroups
+# are needed: processes are tracked through /proc and tasks are not confined.
+set -euo pipefail
+
+CONF_DIR=/etc/slurm
+STATE=/var/lib/dtlab-slurm
+LOG=/var/log/dtlab-slurm
+
+alive() {  # a pid from a pid file, running and not a zombie (a zombie still passes kill -0)
+  local pidfile=$1 pid
+  [[ -s $pidfile ]] || return 1
+  pid=$(<"$pidfile")
+  [[ -r /proc/$pid/status ]] || return 1
+  ! grep -q '^State:[[:space:]]*Z' "/proc/$pid/status"
+}
+
+answers() { timeout 5 sinfo -h -o '%T' 2>/dev/null | grep -Eq '^(idle|mixed|allocated)'; }
+
+stop() {
+  for d in slurmd slurmctld munged; do
+    local pidfile=/run/dtlab-$d.pid
+    [[ $d == munged ]] && pidfile=/run/munge/munged.pid
+    if alive "$pidfile"; then kill "$(<"$pidfile")" || true; fi
+  done
+}
+
+case "${1:-}" in
+  --status) answers; exit ;;
+  --stop) stop; exit 0 ;;
+esac
+
+if alive /run/dtlab-slurmctld.pid && alive /run/dtlab-slurmd.pid && answers; then
+  echo "local SLURM is running"; exit 0
+fi
+if [[ $(id -u) != 0 ]]; then
+  echo "local_slurm.sh: starting the daemons needs root (run it with sudo)" >&2; exit 1
+fi
+
+if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends slurmd slurmctld slurm-client munge >/dev/null
+fi
+
+stop  # half-started leftovers
+mkdir -p "$CONF_DIR" "$STATE/ctld" "$STATE/d" "$LOG" /run/munge /etc/munge /var/lib/munge /var/log/munge
+chown munge:munge /run/munge /etc/munge /var/lib/munge /var/log/munge
+if [[ ! -s /etc/munge/munge.key ]]; then
+  dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
+fi
+chown munge:munge /etc/munge/munge.key
+chmod 400 /etc/munge/munge.key
+
+cpus=$(nproc)
+mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
+cat > "$CONF_DIR/slurm.conf" <<EOF
+# Written by dtlab's scripts/local_slurm.sh: one node, localhost, no cgroups, no accounting.
+ClusterName=dtlab
+SlurmctldHost=localhost(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation=$STATE/ctld
+SlurmdSpoolDir=$STATE/d
+SlurmctldPidFile=/run/dtlab-slurmctld.pid
+SlurmdPidFile=/run/dtlab-slurmd.pid
+SlurmctldLogFile=$LOG/slurmctld.log
+SlurmdLogFile=$LOG/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MailProg=/bin/true
+ReturnToService=2
+MinJobAge=600
+SlurmctldTimeout=30
+SlurmdTimeout=30
+NodeName=localhost NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+EOF
+
+runuser -u munge -- /usr/sbin/munged
+slurmctld
+slurmd
+for _ in $(seq 1 100); do
+  if answers; then echo "local SLURM is running ($cpus CPUs)"; exit 0; fi
+  sleep 0.2
+done
+echo "local_slurm.sh: the cluster did not come up; see $LOG/" >&2
+exit 1

@@ -1,0 +1,24 @@
+"""From runs to answers: collect (CSV), plot (PNG/SVG), report (one HTML file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dtlab.results.collect import collect, read_csv, write_csv
+from dtlab.results.plot import plot_results
+from dtlab.results.report import write_report
+
+__all__ = ["collect", "plot_results", "read_csv", "write_csv", "write_outputs", "write_report"]
+
+
+def write_outputs(root: Path, report: Path | None = None, comm_csvs: tuple[Path, ...] = ()) -> Path:
+    """results.csv, plots/ and report.html for the runs under `root`; prints where they are."""
+    root = Path(root)
+    rows = collect(root)
+    csv_path = write_csv(rows, root / "results.csv")
+    comm = [r for path in comm_csvs for r in read_csv(path)]
+    figures = plot_results(rows, root / "plots", comm)
+    html = write_report(root, report or root / "report.html", rows, figures, root / "plots")
+    print(f"results: {csv_path}\nplots:   {root / 'plots'} ({len(figures)} figures, PNG + SVG)\n"
+          f"report:  {html}")
+    return html

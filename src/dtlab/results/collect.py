@@ -1,0 +1,127 @@
+"""`dtlab collect DIR -o results.csv`: one row per run.
+
+dtlab runs are found by their `summary.json` (finished) or `run.json` (a sweep's record, also for
+runs that failed). Logs of other scripts (`*.log`, `*.out`, `*.txt` outside dtlab run directories)
+contribute one row each from their `[METRIC] key=value` lines, later values winning.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from dtlab.errors import DtlabError
+
+RANK_KEYS = ("nproc_per_node", "nnodes")  # the x axis, not a series
+STRATEGY_KEYS = ("strategy.name", "strategy.fsdp1.sharding_strategy")
+COLUMNS = [
+    "series", "strategy", "world_size", "nnodes", "status", "reason", "model", "n_params", "data",
+    "precision", "global_batch_size", "micro_batch_size", "grad_accum_steps", "steps",
+    "steps_per_epoch", "epoch_time_s", "epoch_time_measured", "median_step_time_s",
+    "samples_per_s", "tokens_per_s", "final_train_loss", "val_loss", "val_acc",
+    "peak_memory_bytes", "peak_reserved_bytes", "param_bytes", "grad_bytes", "optim_bytes",
+    "state_bytes", "comm_share", "backend", "device", "device_name", "threads_per_rank",
+    "launcher", "torch_version", "dtlab_version", "hostname", "wall_time_s", "key", "source",
+]
+METRIC = re.compile(r"\[METRIC\]\s+(.*)")
+
+
+def strategy_label(summary: dict[str, Any]) -> str:
+    name = summary.get("strategy", "")
+    options = summary.get("strategy_options") or {}
+    if name == "fsdp1" and options.get("sharding_strategy", "FULL_SHARD") != "FULL_SHARD":
+        return f"fsdp1:{options['sharding_strategy']}"
+    return name
+
+
+def row_from_run(run_dir: Path, root: Path) -> dict[str, Any]:
+    summary_path, record_path = run_dir / "summary.json", run_dir / "run.json"
+    s = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    rec = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    mem = s.get("memory_per_rank", {})
+    state = [sum(v) for v in zip(*(mem.get(k, []) for k in ("param_bytes", "grad_bytes", "optim_bytes")),
+                                 strict=True)]
+    row: dict[str, Any] = {k: s.get(k) for k in COLUMNS if k in s}
+    peak = mem.get("peak_allocated_bytes") or mem.get("peak_rss_bytes") or []
+    row.update(
+        strategy=strategy_label(s) or rec.get("combo", {}).get("strategy.name"),
+        world_size=s.get("world_size") or (rec.get("nproc_per_node", 1) * rec.get("nnodes", 1)),
+        nnodes=s.get("nnodes") or rec.get("nnodes"),
+        status=rec.get("status", "done" if s else "unknown"),
+        reason=rec.get("reason", ""),
+        peak_memory_bytes=max(peak) if peak else None,
+        peak_reserved_bytes=max(mem["peak_reserved_bytes"]) if mem.get("peak_reserved_bytes") else None,
+        param_bytes=max(mem["param_bytes"]) if mem.get("param_bytes") else None,
+        grad_bytes=max(mem["grad_bytes"]) if mem.get("grad_bytes") else None,
+        optim_bytes=max(mem["optim_bytes"]) if mem.get("optim_bytes") else None,
+        state_bytes=max(state) if state else None,
+        key=rec.get("key", ""),
+        source=str(run_dir.relative_to(root)) if run_dir != root else ".",
+    )
+    varied = {k: v for k, v in rec.get("combo", {}).items()
+              if k not in RANK_KEYS and k not in STRATEGY_KEYS}
+    row["series"] = ", ".join([row["strategy"] or "?"] + [f"{k}={v}" for k, v in varied.items()])
+    return row
+
+
+def parse_number(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def row_from_log(path: Path, root: Path) -> dict[str, Any] | None:
+    values: dict[str, Any] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        m = METRIC.search(line)
+        if m:
+            for item in m.group(1).split():
+                key, sep, value = item.partition("=")
+                if sep:
+                    values[key] = parse_number(value)
+    if not values:
+        return None
+    label = values.get("strategy", path.stem)
+    return {"series": str(label), "status": "done", **values, "source": str(path.relative_to(root))}
+
+
+def collect(*roots: Path) -> list[dict[str, Any]]:
+    rows = []
+    for root in map(Path, roots):
+        if not root.is_dir():
+            raise DtlabError(f"'{root}' is not a directory; fix: pass the directory of a sweep, "
+                             "a compare or a set of logs")
+        run_dirs = sorted({p.parent for name in ("summary.json", "run.json")
+                           for p in root.rglob(name)})
+        rows += [row_from_run(d, root) for d in run_dirs]
+        for path in sorted(root.rglob("*")):
+            if path.suffix in (".log", ".out", ".txt") and path.is_file() and not any(
+                    d == path.parent or d in path.parents for d in run_dirs):
+                row = row_from_log(path, root)
+                if row:
+                    rows.append(row)
+    return sorted(rows, key=lambda r: (str(r.get("series")), r.get("world_size") or 0))
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
+    extra = sorted({k for r in rows for k in r} - set(COLUMNS))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS + extra, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def read_csv(path: Path) -> list[dict[str, Any]]:
+    if not Path(path).is_file():
+        raise DtlabError(f"'{path}' not found; fix: write it with `dtlab collect DIR -o {path}`")
+    with open(path, newline="") as f:
+        return [{k: parse_number(v) if v != "" else None for k, v in r.items()}
+                for r in csv.DictReader(f)]

@@ -1,0 +1,89 @@
+"""Sentences computed from the results: what a reader should take away, with the numbers."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+MiB = 1024 * 1024
+
+
+def _num(r: dict[str, Any], key: str) -> float | None:
+    v = r.get(key)
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def _rest(r: dict[str, Any]) -> str:
+    """What else the run varied besides the strategy ("" when nothing)."""
+    series = str(r.get("series") or "")
+    return series.partition(", ")[2]
+
+
+def _ranks(n: float) -> str:
+    return f"{n:g} rank" + ("" if n == 1 else "s")
+
+
+def findings(rows: list[dict[str, Any]]) -> list[str]:
+    done = [r for r in rows if r.get("status") in (None, "done") and _num(r, "world_size")]
+    out: list[str] = []
+    ddp = {(r["world_size"], _rest(r)): r for r in done if r.get("strategy") == "ddp"}
+    for r in done:
+        ref = ddp.get((r["world_size"], _rest(r)))
+        if r.get("strategy") in (None, "ddp") or not ref or r["world_size"] < 2:
+            continue
+        parts = []
+        for key, what in (("param_bytes", "parameter bytes"), ("state_bytes", "training state")):
+            a, b = _num(r, key), _num(ref, key)
+            if a is not None and b:
+                parts.append(f"{100 * a / b:.0f}% of ddp's {what} per rank")
+        a, b = _num(r, "samples_per_s"), _num(ref, "samples_per_s")
+        speed = f"; throughput {100 * (a / b - 1):+.0f}%" if a is not None and b else ""
+        if parts:
+            out.append(f"{r['series']} holds {' and '.join(parts)} at {_ranks(r['world_size'])}{speed}.")
+
+    by_series: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in done:
+        by_series[str(r.get("series"))].append(r)
+    for series, runs in sorted(by_series.items()):
+        runs = sorted((r for r in runs if _num(r, "samples_per_s")), key=lambda r: r["world_size"])
+        if len(runs) > 1 and runs[0]["world_size"] != runs[-1]["world_size"]:
+            first, last = runs[0], runs[-1]
+            gain = last["samples_per_s"] / first["samples_per_s"]
+            eff = gain / (last["world_size"] / first["world_size"])
+            out.append(f"{series}: {first['world_size']:g} -> {_ranks(last['world_size'])}, "
+                       f"throughput x{gain:.2f} (scaling efficiency {100 * eff:.0f}%).")
+        accs = [(r["world_size"], r["val_acc"]) for r in sorted(runs, key=lambda r: r["world_size"])
+                if _num(r, "val_acc") is not None]
+        if len(accs) > 1:
+            out.append(f"{series}: validation accuracy " + ", ".join(
+                f"{100 * a:.1f}% at {_ranks(n)}" for n, a in accs) + ".")
+
+    by_ranks: dict[float, list[dict[str, Any]]] = defaultdict(list)
+    for r in done:
+        by_ranks[r["world_size"]].append(r)
+    for n, runs in sorted(by_ranks.items()):
+        fast = [r for r in runs if _num(r, "samples_per_s")]
+        lean = [r for r in runs if _num(r, "state_bytes")]
+        if len(fast) > 1:
+            best = max(fast, key=lambda r: r["samples_per_s"])
+            text = f"At {_ranks(n)} the fastest is {best['series']} ({best['samples_per_s']:,.0f} samples/s)"
+            if len(lean) > 1:
+                least = min(r["state_bytes"] for r in lean)
+                ties = [r["series"] for r in lean if r["state_bytes"] <= 1.01 * least]
+                text += f", the leanest {' and '.join(ties)} ({least / MiB:.2f} MiB of state per rank)"
+            out.append(text + ".")
+        cpu_fsdp = [r for r in runs if r.get("device") == "cpu" and str(r.get("strategy", "")).startswith("fsdp")]
+        if n > 1 and cpu_fsdp and ddp.get((n, "")) and _num(ddp[(n, "")], "peak_memory_bytes"):
+            r, ref = cpu_fsdp[0], ddp[(n, "")]
+            if _num(r, "peak_memory_bytes") and _num(r, "state_bytes") and _num(ref, "state_bytes"):
+                out.append(
+                    f"On CPU at {_ranks(n)}, peak RSS does not show sharding: {r['series']} peaks at "
+                    f"{r['peak_memory_bytes'] / MiB:.0f} MiB vs ddp's {ref['peak_memory_bytes'] / MiB:.0f} MiB "
+                    f"while holding {100 * r['state_bytes'] / ref['state_bytes']:.0f}% of its state.")
+
+    failed = [r for r in rows if r.get("status") not in (None, "done")]
+    if failed:
+        out.append(f"{len(failed)} run(s) did not finish: " + "; ".join(
+            f"{r.get('series')} at {_ranks(r.get('world_size') or 0)}: {r.get('status')} "
+            f"({r.get('reason') or 'no reason recorded'})" for r in failed) + ".")
+    return out

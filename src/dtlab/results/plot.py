@@ -1,0 +1,157 @@
+"""`dtlab plot results.csv [comm.csv] -o plots/`: the figures a scaling study needs, PNG and SVG.
+
+One series per strategy (plus whatever else the sweep varied), x = number of ranks. Every figure
+is described in plots/index.json (title, axis labels, series) so that reports and tests can read
+what was drawn.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from dtlab.errors import DtlabError
+
+MiB = 1024 * 1024
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise DtlabError("plotting needs matplotlib; fix: pip install 'dtlab[plot]'") from None
+    matplotlib.use("Agg")
+    matplotlib.rcParams.update({"svg.fonttype": "none", "figure.dpi": 100, "savefig.dpi": 120,
+                                "axes.grid": True, "grid.alpha": 0.3,
+                                "axes.formatter.useoffset": False})
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def series_points(rows: list[dict[str, Any]], column: str) -> dict[str, list[tuple[float, float]]]:
+    """{series: [(ranks, value), ...]} over finished runs with a number in `column`."""
+    out: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for r in rows:
+        x, y = r.get("world_size"), r.get(column)
+        if r.get("status") in (None, "done") and isinstance(x, (int, float)) and isinstance(y, (int, float)):
+            out[str(r.get("series") or r.get("strategy") or "run")].append((x, y))
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def scaling(points: list[tuple[float, float]]) -> list[tuple[float, float, float]]:
+    """(ranks, ideal throughput, efficiency) against linear scaling from the fewest ranks."""
+    n0, t0 = points[0]
+    return [(n, t0 * n / n0, t / (t0 * n / n0)) for n, t in points]
+
+
+class Figures:
+    def __init__(self, out_dir: Path) -> None:
+        self.plt, self.out_dir, self.index = _pyplot(), Path(out_dir), []
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+
+    def line(self, name: str, title: str, xlabel: str, ylabel: str,
+             data: dict[str, list[tuple[float, float]]], logy: bool = False,
+             logx: bool = True, ideal: dict[str, list[tuple[float, float]]] | None = None,
+             hline: float | None = None, from_zero: bool = False) -> None:
+        if not data:
+            return
+        fig, ax = self.plt.subplots(figsize=(6.4, 4.2))
+        for label, pts in data.items():
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            if ideal and label in ideal:
+                ax.plot([p[0] for p in ideal[label]], [p[1] for p in ideal[label]], ls="--",
+                        color=line.get_color(), alpha=0.6, label=f"{label} (ideal linear)")
+        if hline is not None:
+            ax.axhline(hline, ls="--", color="gray", label="ideal")
+        xs = sorted({p[0] for pts in data.values() for p in pts})
+        if logx and len(xs) > 1:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        if logy:
+            ax.set_yscale("log")
+        elif from_zero:  # quantities whose zero matters (bytes, samples/s): no exaggerated gaps
+            ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.05)
+        else:  # show at least +-1% around the data, so rounding noise is not drawn as a trend
+            ys = [p[1] for pts in data.values() for p in pts]
+            mid, half = (max(ys) + min(ys)) / 2, max((max(ys) - min(ys)) / 2, 0.01 * abs(max(ys)))
+            ax.set_ylim(mid - 1.1 * half, mid + 1.1 * half)
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        ax.legend(fontsize="small")
+        self.save(fig, name, title, xlabel, ylabel, list(data))
+
+    def save(self, fig: Any, name: str, title: str, xlabel: str, ylabel: str,
+             series: list[str]) -> None:
+        fig.tight_layout()
+        files = []
+        for ext in ("png", "svg"):
+            path = self.out_dir / f"{name}.{ext}"
+            fig.savefig(path)
+            files.append(path.name)
+        self.plt.close(fig)
+        self.index.append({"name": name, "title": title, "xlabel": xlabel, "ylabel": ylabel,
+                           "series": series, "files": files})
+
+
+def plot_results(rows: list[dict[str, Any]], out_dir: Path,
+                 comm_rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    if rows and not any("world_size" in r for r in rows):
+        raise DtlabError("the results have no world_size column; fix: pass a CSV written by "
+                         "`dtlab collect`")
+    f = Figures(out_dir)
+    ranks = "number of ranks"
+    f.line("epoch_time", "Time per epoch", ranks, "time per epoch (s, log scale)",
+           series_points(rows, "epoch_time_s"), logy=True)
+    throughput = series_points(rows, "samples_per_s")
+    multi = {k: v for k, v in throughput.items() if len(v) > 1}
+    f.line("throughput", "Throughput against ideal linear scaling", ranks, "samples/s",
+           throughput, ideal={k: [(n, i) for n, i, _ in scaling(v)] for k, v in multi.items()},
+           from_zero=True)
+    f.line("scaling_efficiency", "Scaling efficiency (throughput / ideal linear)", ranks,
+           "scaling efficiency (%)",
+           {k: [(n, 100 * e) for n, _, e in scaling(v)] for k, v in multi.items()}, hline=100.0)
+    f.line("val_loss", "Validation loss", ranks, "validation loss (cross-entropy, nats)",
+           series_points(rows, "val_loss"))
+    f.line("val_acc", "Validation accuracy", ranks, "validation accuracy (%)",
+           {k: [(n, 100 * a) for n, a in v] for k, v in series_points(rows, "val_acc").items()})
+    f.line("peak_memory", "Peak memory per rank", ranks, "peak memory per rank (MiB)",
+           {k: [(n, b / MiB) for n, b in v] for k, v in series_points(rows, "peak_memory_bytes").items()},
+           from_zero=True)
+    f.line("state_bytes", "Parameters + gradients + optimizer state per rank", ranks,
+           "state per rank (MiB)",
+           {k: [(n, b / MiB) for n, b in v] for k, v in series_points(rows, "state_bytes").items()},
+           from_zero=True)
+    f.line("comm_share", "Exposed communication share of step time", ranks,
+           "communication share of step time (%)",
+           {k: [(n, 100 * c) for n, c in v] for k, v in series_points(rows, "comm_share").items()})
+    if comm_rows:
+        plot_busbw(f, comm_rows)
+    (Path(out_dir) / "index.json").write_text(json.dumps(f.index, indent=2) + "\n")
+    return f.index
+
+
+def plot_busbw(f: Figures, comm_rows: list[dict[str, Any]]) -> None:
+    """Bus bandwidth vs message size, one line per collective (and rank count)."""
+    data: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for r in comm_rows:
+        size, busbw = r.get("size_bytes"), r.get("busbw_gbps")
+        if isinstance(size, (int, float)) and isinstance(busbw, (int, float)):
+            label = str(r.get("op", "collective"))
+            if r.get("world_size"):
+                label += f" x{r['world_size']}"
+            data[label].append((size, busbw))
+    if not data:
+        raise DtlabError("the collective results have no size_bytes/busbw_gbps columns; fix: pass "
+                         "a CSV written by `dtlab comm --csv`")
+    data = {k: sorted(v) for k, v in sorted(data.items())}
+    fig, ax = f.plt.subplots(figsize=(6.4, 4.2))
+    for label, pts in data.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set(title="Bus bandwidth by message size", xlabel="message size (bytes, log scale)",
+           ylabel="bus bandwidth (GB/s)")
+    ax.legend(fontsize="small")
+    f.save(fig, "busbw", "Bus bandwidth by message size", "message size (bytes, log scale)",
+           "bus bandwidth (GB/s)", list(data))

@@ -1,0 +1,153 @@
+"""`dtlab sweep SPEC.yaml`: run every combination of a matrix, locally or on SLURM, then collect.
+
+A run that finished before (same config, same layout: same hash) is not run again; a failed or
+timed-out one is recorded with its reason, the sweep goes on, and exits 1 at the end. The
+results land in OUT/results.csv, OUT/plots/ and OUT/report.html.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from dtlab.config import to_yaml
+from dtlab.sweeps import slurm
+from dtlab.sweeps.local import command, run_local
+from dtlab.sweeps.record import failure_reason, is_done, now, read_record, update_record
+from dtlab.sweeps.spec import PlannedRun, SweepSpec, expand, load_spec
+
+
+class Progress:
+    """One line per event, led by the counts: done, failed, running, left."""
+
+    def __init__(self, total: int, done: int) -> None:
+        self.total, self.done, self.failed, self.running = total, done, 0, 0
+
+    def event(self, run: PlannedRun, what: str) -> None:
+        left = self.total - self.done - self.failed
+        print(f"[done {self.done} | failed {self.failed} | running {self.running} | left {left}] "
+              f"{run.label}: {what}", flush=True)
+
+    def finish(self, run: PlannedRun, status: str, reason: str, seconds: float) -> None:
+        self.running = max(0, self.running - 1)
+        if status == "done":
+            self.done += 1
+            summary = json.loads((run.run_dir / "summary.json").read_text())
+            self.event(run, f"done in {seconds:.1f} s, {summary['samples_per_s']:.1f} samples/s")
+        else:
+            self.failed += 1
+            self.event(run, f"{status.upper()} after {seconds:.1f} s: {reason}")
+
+
+def run_sweep(spec_path: str, launcher: str, dry_run: bool, out: str | None,
+              timeout_s: float | None) -> int:
+    spec = load_spec(spec_path)
+    out_dir = Path(out) if out else Path("sweeps") / Path(spec_path).stem
+    timeout = timeout_s or spec.timeout_s
+    plans = expand(spec, out_dir, launcher)
+    valid = [p for p in plans if not p.invalid]
+    finished = [p for p in valid if is_done(p.run_dir)]
+    todo = [p for p in valid if p not in finished]
+    print(f"sweep {spec_path} ({launcher}): {len(plans)} combinations, {len(valid)} can run, "
+          f"{len(finished)} already done, {len(todo)} to run; output in {out_dir}")
+    for p in plans:
+        if p.invalid:
+            print(f"  skipped, cannot run: {p.label}: {p.invalid}")
+    if dry_run:
+        for p in valid:
+            what = "done, kept" if p in finished else "would run"
+            how = (" ".join(command(p.run_dir / "config.yaml", p.nproc_per_node))
+                   if launcher == "local" else f"sbatch {p.run_dir / 'job.sbatch'} ({p.slurm_mode})")
+            print(f"  {what}: {p.label} [{p.key}]\n      {how}")
+        return 0
+
+    write_plan(out_dir, spec, plans, launcher)
+    for p in todo:
+        p.run_dir.mkdir(parents=True, exist_ok=True)
+        (p.run_dir / "config.yaml").write_text(to_yaml(p.config))
+        update_record(p.run_dir, key=p.key, label=p.label, combo=p.combo,
+                      nproc_per_node=p.nproc_per_node, nnodes=p.nnodes, slurm_mode=p.slurm_mode,
+                      launcher=launcher, status="planned", reason="", planned_at=now())
+    progress = Progress(len(valid), len(finished))
+    if launcher == "local":
+        for p in todo:
+            cmd = command(p.run_dir / "config.yaml", p.nproc_per_node)
+            update_record(p.run_dir, status="running", command=" ".join(cmd), started_at=now())
+            progress.running += 1
+            progress.event(p, "running")
+            t0 = time.monotonic()
+            status, reason, code = run_local(cmd, p.run_dir, timeout)
+            seconds = time.monotonic() - t0
+            update_record(p.run_dir, status=status, reason=reason, returncode=code,
+                          finished_at=now(), duration_s=round(seconds, 2))
+            progress.finish(p, status, reason, seconds)
+    else:
+        run_on_slurm(todo, spec, timeout, progress)
+    return finish(out_dir, valid)
+
+
+def write_plan(out_dir: Path, spec: SweepSpec, plans: list[PlannedRun], launcher: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan = {"spec": spec.model_dump(mode="json"), "launcher": launcher, "runs": [
+        {"label": p.label, "combo": p.combo, "key": p.key, "invalid": p.invalid,
+         "nproc_per_node": p.nproc_per_node, "nnodes": p.nnodes} for p in plans]}
+    (out_dir / "sweep.json").write_text(json.dumps(plan, indent=2) + "\n")
+
+
+def run_on_slurm(todo: list[PlannedRun], spec: SweepSpec, timeout: float,
+                 progress: Progress) -> None:
+    jobs: dict[str, PlannedRun] = {}
+    started: dict[str, float] = {}
+    submitted = time.monotonic()
+    for p in todo:
+        script = p.run_dir / "job.sbatch"
+        script.write_text(slurm.render(p, spec.slurm, timeout, Path.cwd()))
+        job = slurm.submit(script)
+        jobs[job] = p
+        update_record(p.run_dir, status="submitted", job_id=job, command=f"sbatch {script}")
+        progress.event(p, f"submitted as job {job} ({p.slurm_mode})")
+    while jobs:
+        time.sleep(spec.slurm.poll_s)
+        active = slurm.active_jobs(list(jobs))
+        for job, p in list(jobs.items()):
+            state = active.get(job)
+            if state == "RUNNING" and job not in started:
+                started[job] = time.monotonic()
+                progress.running += 1
+                update_record(p.run_dir, status="running", started_at=now())
+                progress.event(p, f"running (job {job})")
+            if state and not (job in started and time.monotonic() - started[job] > timeout):
+                continue
+            if state:  # still running past its timeout
+                slurm.cancel(job)
+                status, reason, code = "timeout", f"exceeded the {timeout:g} s timeout; job {job} cancelled", None
+            else:
+                status, reason, code = judge(p, job)
+            seconds = time.monotonic() - started.get(job, submitted)
+            update_record(p.run_dir, status=status, reason=reason, returncode=code,
+                          finished_at=now(), duration_s=round(seconds, 2))
+            progress.finish(p, status, reason, seconds)
+            del jobs[job]
+
+
+def judge(p: PlannedRun, job: str) -> tuple[str, str, int | None]:
+    state, code = slurm.final_state(job)
+    log = p.run_dir / f"slurm-{job}.log"
+    if state in ("COMPLETED", "UNKNOWN") and code in (0, None) and (p.run_dir / "summary.json").is_file():
+        return "done", "", 0
+    if state == "TIMEOUT":
+        return "timeout", f"job {job} hit its SLURM time limit", code
+    return "failed", f"SLURM state {state}, {failure_reason(log, code)}", code
+
+
+def finish(out_dir: Path, valid: list[PlannedRun]) -> int:
+    failed = [p for p in valid if (read_record(p.run_dir) or {}).get("status") != "done"]
+    print(f"\n{len(valid) - len(failed)} of {len(valid)} runs done, {len(failed)} failed")
+    for p in failed:
+        record = read_record(p.run_dir) or {}
+        print(f"  {record.get('status', 'unknown').upper()}: {p.label}: {record.get('reason', '')}")
+    from dtlab.results import write_outputs
+
+    write_outputs(out_dir)
+    return 1 if failed else 0

@@ -1,0 +1,55 @@
+"""What a sweep knows about each run: `run.json` in its directory, written atomically."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+FINAL = ("done", "failed", "timeout")
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def read_record(run_dir: Path) -> dict[str, Any] | None:
+    path = Path(run_dir) / "run.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_record(run_dir: Path, record: dict[str, Any]) -> None:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / "run.json.tmp"
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, run_dir / "run.json")
+
+
+def update_record(run_dir: Path, **changes: Any) -> dict[str, Any]:
+    record = {**(read_record(run_dir) or {}), **changes}
+    write_record(run_dir, record)
+    return record
+
+
+def is_done(run_dir: Path) -> bool:
+    """Finished successfully before: recorded as done and its summary is there."""
+    record = read_record(run_dir)
+    return bool(record and record.get("status") == "done" and (Path(run_dir) / "summary.json").is_file())
+
+
+def failure_reason(log: Path, returncode: int | None) -> str:
+    """The most telling line of a failed run's log, and how it ended."""
+    lines: list[str] = []
+    if Path(log).is_file():
+        lines = [x.strip() for x in Path(log).read_text(errors="replace").splitlines() if x.strip()]
+    errors = [x for x in lines if x.startswith("dtlab: error:")]
+    tail = [x for x in lines if not x.startswith("[METRIC]")]
+    detail = errors[-1] if errors else (tail[-1] if tail else "no output")
+    ending = f"exit code {returncode}" if returncode is not None else "no exit code"
+    return f"{ending}: {detail[:300]}"

@@ -1,0 +1,162 @@
+"""Sweep specs: a base config, overrides for every run, and a matrix whose cross product is run.
+
+    base: configs/quick.yaml
+    overrides: {train.max_steps: 50}
+    matrix:
+      strategy.name: [ddp, fsdp]
+      nproc_per_node: [1, 2, 4]
+    exclude:                       # optional: combinations to leave out
+      - {strategy.name: fsdp, nproc_per_node: 1}
+    timeout_s: 900                 # per run
+    slurm: {partition: gpu, gpus_per_node: 4, time_min: 30}
+
+Matrix keys are dotted config keys or launcher keys: `nproc_per_node`, `nnodes`, `batch_per_rank`
+(sets train.global_batch_size = batch_per_rank x ranks x grad_accum_steps) and, for the SLURM
+launcher, `slurm_mode` (`srun`: one task per rank; `torchrun`: one torchrun per node).
+Each combination is resolved to a full config; its run directory is named by a hash of that
+config and its process layout, so an unchanged run is found again and not re-run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError
+
+from dtlab.config import (
+    Config,
+    check_world,
+    format_validation_error,
+    load_config,
+    read_yaml,
+    valid_keys,
+)
+from dtlab.errors import ConfigError
+
+LAYOUT_KEYS = ("nproc_per_node", "nnodes", "batch_per_rank", "slurm_mode")
+
+
+class SlurmOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    partition: str | None = None
+    account: str | None = None
+    gpus_per_node: int = Field(0, ge=0)
+    cpus_per_task: PositiveInt = 1  # per rank (srun mode); torchrun mode asks nproc x this
+    time_min: PositiveInt | None = None  # job time limit; default: the run timeout
+    mode: Literal["srun", "torchrun"] = "srun"
+    extra: list[str] = Field(default_factory=list)  # more "#SBATCH ..." options, e.g. "--qos=high"
+    setup: list[str] = Field(default_factory=list)  # shell lines before the launch (module load ...)
+    poll_s: PositiveFloat = 2.0
+
+
+class SweepSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    base: str | None = None
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    matrix: dict[str, list[Any]] = Field(default_factory=dict)
+    exclude: list[dict[str, Any]] = Field(default_factory=list)
+    timeout_s: PositiveFloat = 1800.0
+    slurm: SlurmOptions = Field(default_factory=SlurmOptions)
+
+
+@dataclass
+class PlannedRun:
+    label: str  # what varies, e.g. "strategy.name=ddp nproc_per_node=2"
+    combo: dict[str, Any]
+    nproc_per_node: int
+    nnodes: int
+    slurm_mode: str
+    key: str = ""  # hash of the resolved config and layout
+    config: Config | None = None
+    invalid: str | None = None  # why this combination cannot run
+    run_dir: Path = field(default_factory=Path)
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+def _fmt(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def load_spec(path: str | Path) -> SweepSpec:
+    try:
+        spec = SweepSpec.model_validate(read_yaml(path))
+    except ValidationError as e:
+        raise ConfigError(f"sweep spec {path}: {format_validation_error(e)}") from None
+    keys = set(valid_keys())
+    for key, values in spec.matrix.items():
+        if key not in LAYOUT_KEYS and key not in keys:
+            raise ConfigError(
+                f"sweep spec {path}: unknown matrix key '{key}'; fix: use a config key "
+                f"(dtlab config --keys) or one of {', '.join(LAYOUT_KEYS)}"
+            )
+        if not values:
+            raise ConfigError(f"sweep spec {path}: matrix key '{key}' has no values")
+    if spec.base is not None and not Path(spec.base).is_file():
+        # A base relative to the spec file is the natural reading; relative to cwd works too.
+        near = Path(path).parent / spec.base
+        if near.is_file():
+            spec.base = str(near)
+    # Mistakes shared by every run (bad base file, bad override) stop the sweep at once.
+    load_config(spec.base, [f"{k}={_fmt(v)}" for k, v in spec.overrides.items()])
+    return spec
+
+
+def config_key(cfg: Config, nproc_per_node: int, nnodes: int, slurm_mode: str) -> str:
+    body = cfg.model_dump(mode="json")
+    body["run"].pop("dir")
+    body["run"].pop("progress")
+    layout = {"nproc_per_node": nproc_per_node, "nnodes": nnodes, "slurm_mode": slurm_mode}
+    blob = json.dumps({"config": body, "layout": layout}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def expand(spec: SweepSpec, out_dir: Path, launcher: str) -> list[PlannedRun]:
+    """Every combination of the matrix, resolved; invalid ones carry the reason."""
+    names = list(spec.matrix)
+    plans = []
+    for values in itertools.product(*(spec.matrix[n] for n in names)) if names else [()]:
+        combo = dict(zip(names, values, strict=True))
+        if any(all(combo.get(k) == v for k, v in ex.items()) for ex in spec.exclude):
+            continue
+        layout = {k: combo.get(k) for k in LAYOUT_KEYS}
+        run = PlannedRun(
+            label=" ".join(f"{k}={_fmt(v)}" for k, v in combo.items()) or "base",
+            combo=combo,
+            nproc_per_node=int(layout["nproc_per_node"] or 1),
+            nnodes=int(layout["nnodes"] or 1),
+            slurm_mode=str(layout["slurm_mode"] or spec.slurm.mode),
+        )
+        overrides = [f"{k}={_fmt(v)}" for k, v in spec.overrides.items()]
+        overrides += [f"{k}={_fmt(v)}" for k, v in combo.items() if k not in LAYOUT_KEYS]
+        try:
+            cfg = load_config(spec.base, overrides)
+            if layout["batch_per_rank"]:
+                cfg.train.global_batch_size = (
+                    int(layout["batch_per_rank"]) * run.world_size * cfg.train.grad_accum_steps
+                )
+            if launcher == "local" and run.nnodes > 1:
+                raise ConfigError("nnodes > 1 needs the slurm launcher")
+            if run.slurm_mode not in ("srun", "torchrun"):
+                raise ConfigError(f"slurm_mode must be srun or torchrun, not {run.slurm_mode}")
+            check_world(cfg, run.world_size, run.nproc_per_node)
+        except ConfigError as e:
+            run.invalid = str(e)
+            plans.append(run)
+            continue
+        run.key = config_key(cfg, run.nproc_per_node, run.nnodes, run.slurm_mode)
+        run.run_dir = out_dir / "runs" / run.key
+        cfg.run.dir = str(run.run_dir)
+        cfg.run.progress = False
+        run.config = cfg
+        plans.append(run)
+    if plans and all(p.invalid for p in plans):
+        raise ConfigError(f"no combination of the matrix can run; the first: {plans[0].invalid}")
+    return plans

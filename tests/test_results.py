@@ -1,0 +1,110 @@
+"""collect, plot, findings and report, on runs and logs with known numbers."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from dtlab.cli import main
+from dtlab.results import collect, plot_results, read_csv, write_csv, write_report
+from dtlab.results.findings import findings
+
+MiB = 1024 * 1024
+
+
+def fake_run(root: Path, name: str, strategy: str, world: int, sps: float, param: int,
+             val_acc: float = 0.5, options: dict | None = None) -> None:
+    run = root / name
+    run.mkdir(parents=True)
+    summary = {
+        "strategy": strategy, "strategy_options": options or {}, "world_size": world, "nnodes": 1,
+        "samples_per_s": sps, "median_step_time_s": 64 / sps, "epoch_time_s": 64 * 10 / sps,
+        "val_loss": 1.0, "val_acc": val_acc, "final_train_loss": 1.1, "device": "cpu",
+        "backend": "gloo", "torch_version": "2.13.0", "hostname": "node1", "threads_per_rank": 1,
+        "memory_per_rank": {"peak_rss_bytes": [400 * MiB] * world, "param_bytes": [param] * world,
+                            "grad_bytes": [param] * world, "optim_bytes": [param] * world},
+    }
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
+@pytest.fixture()
+def runs(tmp_path: Path) -> Path:
+    root = tmp_path / "runs"
+    fake_run(root, "ddp1", "ddp", 1, 1000.0, 4 * MiB)
+    fake_run(root, "ddp2", "ddp", 2, 1800.0, 4 * MiB)
+    fake_run(root, "fsdp2", "fsdp", 2, 1584.0, 2 * MiB)
+    fake_run(root, "sgo2", "fsdp1", 2, 1700.0, 2 * MiB, options={"sharding_strategy": "SHARD_GRAD_OP"})
+    (root / "other").mkdir()
+    (root / "other" / "job.out").write_text(
+        "starting\n[METRIC] strategy=handwritten world_size=2 samples_per_s=900\n"
+        "noise line\n[METRIC] val_acc=0.75 samples_per_s=950.5\n")
+    return root
+
+
+def test_collect_reads_summaries_and_metric_lines(runs: Path, tmp_path: Path) -> None:
+    rows = collect(runs)
+    by = {r["source"]: r for r in rows}
+    assert by["ddp2"]["series"] == "ddp" and by["ddp2"]["state_bytes"] == 12 * MiB
+    assert by["sgo2"]["series"] == "fsdp1:SHARD_GRAD_OP"
+    log = by["other/job.out"]
+    assert log["series"] == "handwritten" and log["samples_per_s"] == 950.5 and log["val_acc"] == 0.75
+    path = write_csv(rows, tmp_path / "results.csv")
+    again = read_csv(path)
+    assert len(again) == 5 and {r["world_size"] for r in again} == {1, 2}
+    assert main(["collect", str(tmp_path / "absent"), "-o", str(tmp_path / "x.csv")]) == 2
+
+
+def test_findings_name_ratios_and_scaling(runs: Path) -> None:
+    text = findings(collect(runs))
+    assert ("fsdp holds 50% of ddp's parameter bytes per rank and 50% of ddp's training state "
+            "per rank at 2 ranks; throughput -12%.") in text
+    assert "ddp: 1 -> 2 ranks, throughput x1.80 (scaling efficiency 90%)." in text
+    assert ("At 2 ranks the fastest is ddp (1,800 samples/s), the leanest fsdp and "
+            "fsdp1:SHARD_GRAD_OP (6.00 MiB of state per rank).") in text
+    assert any(s.startswith("On CPU at 2 ranks, peak RSS does not show sharding") for s in text)
+
+
+def test_plots_have_their_labels_and_series(runs: Path, tmp_path: Path) -> None:
+    comm = tmp_path / "comm.csv"
+    comm.write_text("op,world_size,size_bytes,busbw_gbps\n" + "\n".join(
+        f"all_reduce,2,{2 ** k},{0.1 * k}" for k in range(3, 20)) + "\n")
+    figures = plot_results(collect(runs), tmp_path / "plots", read_csv(comm))
+    by = {f["name"]: f for f in figures}
+    assert set(by) == {"epoch_time", "throughput", "scaling_efficiency", "val_loss", "val_acc",
+                       "peak_memory", "state_bytes", "busbw"}  # no comm_share column: no figure
+    assert by["throughput"]["series"] == ["ddp", "fsdp", "fsdp1:SHARD_GRAD_OP", "handwritten"]
+    assert by["busbw"]["series"] == ["all_reduce x2"]
+    for fig in figures:
+        svg = (tmp_path / "plots" / f"{fig['name']}.svg").read_text()
+        assert fig["xlabel"] in svg and fig["ylabel"] in svg and fig["title"] in svg
+        for label in fig["series"]:
+            assert label in svg, (fig["name"], label)
+        assert (tmp_path / "plots" / f"{fig['name']}.png").stat().st_size > 5000
+    throughput = (tmp_path / "plots" / "throughput.svg").read_text()
+    assert "ddp (ideal linear)" in throughput  # only series with several rank counts
+    assert "fsdp (ideal linear)" not in throughput
+    # The efficiency curve: ddp 1800 / (2 x 1000) = 90%.
+    assert json.loads((tmp_path / "plots" / "index.json").read_text())[2]["name"] == "scaling_efficiency"
+
+
+def test_plot_refuses_a_csv_without_ranks(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    assert main(["plot", str(bad), "-o", str(tmp_path / "p")]) == 2
+    assert "no world_size column" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "absent.csv")]) == 2
+
+
+def test_report_is_self_contained(runs: Path, tmp_path: Path) -> None:
+    rows = collect(runs)
+    figures = plot_results(rows, tmp_path / "plots")
+    html = write_report(runs, tmp_path / "report.html", rows, figures, tmp_path / "plots").read_text()
+    assert html.count("<img src='data:image/png;base64,") == len(figures) == 7
+    assert not re.search(r"(src|href)=['\"](?!data:)", html)  # nothing outside the file
+    assert "<script" not in html
+    assert "fsdp holds 50% of ddp&#x27;s parameter bytes" in html
+    assert "<th>torch</th><td class='text'>2.13.0</td>" in html
+    assert html.count("<tr") == 10 + 1 + 5  # environment rows, header, runs

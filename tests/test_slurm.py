@@ -1,0 +1,105 @@
+"""The SLURM launcher against a real one-node SLURM cluster started by scripts/local_slurm.sh."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import CONFIGS, ROOT, cli
+
+from dtlab.config import load_config
+from dtlab.sweeps.slurm import render
+from dtlab.sweeps.spec import PlannedRun, SlurmOptions
+
+
+def test_sbatch_script_maps_ranks_and_rendezvous(tmp_path: Path) -> None:
+    run = PlannedRun("strategy.name=ddp", {}, nproc_per_node=4, nnodes=2, slurm_mode="srun",
+                     key="abc", config=load_config(None), run_dir=tmp_path)
+    opts = SlurmOptions(partition="gpu", gpus_per_node=4, cpus_per_task=8, extra=["--qos=high"],
+                        setup=["module load cuda"])
+    script = render(run, opts, timeout_s=600, workdir=tmp_path)
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --cpus-per-task=8",
+                 "#SBATCH --time=10", "#SBATCH --partition=gpu", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --qos=high", "module load cuda", "export OMP_NUM_THREADS=8",
+                 'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                 "export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))",
+                 "RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID"):
+        assert line in script, line
+    run.slurm_mode = "torchrun"
+    script = render(run, opts, timeout_s=600, workdir=tmp_path)
+    assert "#SBATCH --ntasks-per-node=1" in script and "#SBATCH --cpus-per-task=32" in script
+    assert "--nnodes=$SLURM_NNODES --nproc-per-node=4 --rdzv-backend=c10d" in script
+    assert "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$SLURM_JOB_ID" in script
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster() -> None:
+    have = all(shutil.which(c) for c in ("slurmctld", "slurmd", "munged"))
+    if not have and (os.geteuid() != 0 or not shutil.which("apt-get")):
+        pytest.skip("SLURM is not installed and cannot be installed here (needs root and apt)")
+    if os.geteuid() != 0 and subprocess.run([ROOT / "scripts/local_slurm.sh", "--status"]).returncode:
+        pytest.skip("the local SLURM cluster is not running and starting it needs root")
+    proc = subprocess.run([ROOT / "scripts/local_slurm.sh"], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    again = subprocess.run([ROOT / "scripts/local_slurm.sh"], capture_output=True, text=True,
+                           timeout=60)
+    assert again.returncode == 0 and "local SLURM is running" in again.stdout  # safe to re-run
+
+
+SPEC = """
+base: {base}
+overrides: {{train.max_steps: 8, strategy.name: ddp}}
+matrix:
+  slurm_mode: [srun, torchrun]
+  nproc_per_node: [2]
+timeout_s: 240
+slurm: {{poll_s: 1}}
+"""
+
+
+def test_sweep_on_slurm_with_srun_and_torchrun(slurm_cluster: None, tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC.format(base=CONFIGS / "quick.yaml"))
+    proc = cli("sweep", str(spec), "--launcher", "slurm", "--out", str(tmp_path / "o"), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 of 2 runs done, 0 failed" in proc.stdout
+    launchers = {}
+    for run_json in (tmp_path / "o").glob("runs/*/run.json"):
+        record = json.loads(run_json.read_text())
+        summary = json.loads((run_json.parent / "summary.json").read_text())
+        assert record["status"] == "done" and record["job_id"].isdigit()
+        assert summary["world_size"] == 2 and summary["backend"] == "gloo"
+        launchers[record["slurm_mode"]] = summary["launcher"]
+        assert list(run_json.parent.glob("slurm-*.log"))
+    # srun: one task per rank (SLURM's variables); torchrun: elastic inside the allocation.
+    assert launchers == {"srun": "slurm", "torchrun": "torchrun"}
+    rows = list(csv.DictReader((tmp_path / "o" / "results.csv").read_text().splitlines()))
+    assert sorted(r["series"] for r in rows) == ["ddp, slurm_mode=srun", "ddp, slurm_mode=torchrun"]
+    assert all(r["status"] == "done" and float(r["samples_per_s"]) > 0 for r in rows)
+
+
+@pytest.mark.parametrize(("script", "sbatch_args", "env", "launcher", "strategy"), [
+    ("run.sh", ["--ntasks-per-node=2", "--cpus-per-task=1"], {}, "slurm", "ddp"),
+    ("run_torchrun.sh", ["--nodes=1", "--cpus-per-task=2"], {"NPROC_PER_NODE": "2"}, "torchrun", "fsdp"),
+])
+def test_shipped_sbatch_scripts(slurm_cluster: None, tmp_path: Path, script: str,
+                                sbatch_args: list[str], env: dict[str, str], launcher: str,
+                                strategy: str) -> None:
+    proc = subprocess.run(
+        ["sbatch", "--wait", f"--chdir={tmp_path}", *sbatch_args, str(ROOT / "scripts/slurm" / script),
+         f"strategy.name={strategy}", "train.max_steps=4", f"run.dir={tmp_path / 'run'}",
+         "run.progress=false"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHON": sys.executable, **env})
+    logs = "".join(p.read_text() for p in tmp_path.glob("*.out"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["launcher"], summary["world_size"], summary["strategy"]) == (launcher, 2, strategy)
+    assert "rendezvous localhost:" in logs
