@@ -67,6 +67,16 @@ def test_findings_name_ratios_and_scaling(runs: Path) -> None:
     assert any(s.startswith("On CPU at 2 ranks, peak RSS does not show sharding") for s in text)
 
 
+def test_findings_report_compare_verification(runs: Path) -> None:
+    (runs / "compare.json").write_text(json.dumps([
+        {"strategy": "ddp", "loss_dev": "2.00e-07", "param_dev": "3.00e-07"},
+        {"strategy": "fsdp", "loss_dev": "4.00e-07", "param_dev": "1.00e-07"}]))
+    rows = collect(runs)
+    assert {r["series"]: r.get("loss_dev") for r in rows}["fsdp"] == 4e-7
+    assert ("ddp, fsdp train the same function as single: per-step losses within 4.0e-07 and "
+            "final parameters within 3.0e-07 (relative, dtlab compare --verify).") in findings(rows)
+
+
 def test_plots_have_their_labels_and_series(runs: Path, tmp_path: Path) -> None:
     comm = tmp_path / "comm.csv"
     comm.write_text("op,world_size,size_bytes,busbw_gbps\n" + "\n".join(

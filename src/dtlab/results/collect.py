@@ -23,7 +23,7 @@ COLUMNS = [
     "steps_per_epoch", "epoch_time_s", "epoch_time_measured", "median_step_time_s",
     "samples_per_s", "tokens_per_s", "final_train_loss", "val_loss", "val_acc",
     "peak_memory_bytes", "peak_reserved_bytes", "param_bytes", "grad_bytes", "optim_bytes",
-    "state_bytes", "comm_share", "backend", "device", "device_name", "threads_per_rank",
+    "state_bytes", "comm_share", "loss_dev", "param_dev", "backend", "device", "device_name", "threads_per_rank",
     "launcher", "torch_version", "dtlab_version", "hostname", "wall_time_s", "key", "source",
 ]
 METRIC = re.compile(r"\[METRIC\]\s+(.*)")
@@ -67,6 +67,18 @@ def row_from_run(run_dir: Path, root: Path) -> dict[str, Any]:
     return row
 
 
+def add_verification(rows: list[dict[str, Any]], root: Path) -> None:
+    """`dtlab compare --verify` deviations from single, when the directory is a comparison."""
+    path = root / "compare.json"
+    if not path.is_file():
+        return
+    checked = {r["strategy"]: r for r in json.loads(path.read_text()) if "loss_dev" in r}
+    for row in rows:
+        match = checked.get(str(row.get("series")))
+        if match:
+            row["loss_dev"], row["param_dev"] = float(match["loss_dev"]), float(match["param_dev"])
+
+
 def parse_number(text: str) -> Any:
     for cast in (int, float):
         try:
@@ -100,6 +112,7 @@ def collect(*roots: Path) -> list[dict[str, Any]]:
         run_dirs = sorted({p.parent for name in ("summary.json", "run.json")
                            for p in root.rglob(name)})
         rows += [row_from_run(d, root) for d in run_dirs]
+        add_verification(rows, root)
         for path in sorted(root.rglob("*")):
             if path.suffix in (".log", ".out", ".txt") and path.is_file() and not any(
                     d == path.parent or d in path.parents for d in run_dirs):

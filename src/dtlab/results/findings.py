@@ -81,6 +81,13 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
                     f"{r['peak_memory_bytes'] / MiB:.0f} MiB vs ddp's {ref['peak_memory_bytes'] / MiB:.0f} MiB "
                     f"while holding {100 * r['state_bytes'] / ref['state_bytes']:.0f}% of its state.")
 
+    verified = [r for r in done if _num(r, "loss_dev") is not None and r.get("series") != "single"]
+    if verified:
+        loss, params = max(r["loss_dev"] for r in verified), max(r["param_dev"] for r in verified)
+        names = ", ".join(dict.fromkeys(str(r["series"]) for r in verified))
+        out.append(f"{names} train the same function as single: per-step losses within {loss:.1e} "
+                   f"and final parameters within {params:.1e} (relative, dtlab compare --verify).")
+
     failed = [r for r in rows if r.get("status") not in (None, "done")]
     if failed:
         out.append(f"{len(failed)} run(s) did not finish: " + "; ".join(
