@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from dtlab.results.collect import collect, read_csv, write_csv
@@ -17,6 +18,10 @@ def write_outputs(root: Path, report: Path | None = None, comm_csvs: tuple[Path,
     rows = collect(root)
     csv_path = write_csv(rows, root / "results.csv")
     comm = [r for path in comm_csvs for r in read_csv(path)]
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"results: {csv_path}\nplots and report skipped: they need matplotlib "
+              "(pip install 'dtlab[plot]')")
+        return csv_path
     figures = plot_results(rows, root / "plots", comm)
     html = write_report(root, report or root / "report.html", rows, figures, root / "plots")
     print(f"results: {csv_path}\nplots:   {root / 'plots'} ({len(figures)} figures, PNG + SVG)\n"
