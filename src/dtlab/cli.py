@@ -83,6 +83,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_comm(args: argparse.Namespace) -> int:
+    from dtlab.comm.cli import run_comm
+
+    return run_comm(args)
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     if args.keys:
         print("\n".join(valid_keys()))
@@ -136,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="default: DIR/report.html")
     p.add_argument("--comm", nargs="*", default=[], help="collective-benchmark CSVs")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("comm", help="collective benchmarks (nccl-tests format) and cost model")
+    from dtlab.comm.cli import add_comm_arguments
+
+    add_comm_arguments(p)
+    p.set_defaults(func=cmd_comm)
 
     p = sub.add_parser("config", help="print the resolved config (or --keys: every valid key)")
     p.add_argument("--config")
