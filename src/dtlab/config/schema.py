@@ -140,6 +140,14 @@ class DDPOptions(Section):
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
     find_unused_parameters: bool = False
+    # What DDP does with each gradient bucket (src/dtlab/strategies/ddp_hooks.py); ddp only.
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd", "topk", "local_sgd"] = "none"
+    powersgd_rank: PositiveInt = 1
+    powersgd_start_iter: PositiveInt = 2  # plain all-reduce before (PowerSGD needs >= 1)
+    topk_ratio: float = Field(0.01, gt=0.0, le=1.0)
+    local_sgd_period: PositiveInt = 4  # average parameters every this many steps
+    local_sgd_warmup: NonNegativeInt = 0  # plain DDP steps first
+    local_sgd_group_size: PositiveInt = 1  # ranks that still average gradients every step
 
 
 class FSDPOptions(Section):
@@ -226,6 +234,11 @@ def check_world(cfg: Config, world_size: int, local_world_size: int | None = Non
         raise ConfigError(
             f"strategy.name=single runs one process but {world_size} ranks were started; "
             "fix: use --nproc-per-node 1, or strategy.name=ddp|fsdp|fsdp1"
+        )
+    if s.name == "ddp" and s.ddp.comm_hook == "local_sgd" and world_size % s.ddp.local_sgd_group_size:
+        raise ConfigError(
+            f"strategy.ddp.local_sgd_group_size={s.ddp.local_sgd_group_size} does not divide "
+            f"world_size={world_size}; fix: choose a divisor"
         )
     per_step = world_size * t.grad_accum_steps
     if t.global_batch_size < per_step or t.global_batch_size % per_step:

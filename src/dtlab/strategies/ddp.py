@@ -6,9 +6,11 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from dtlab.strategies import ddp_hooks
 from dtlab.strategies.base import Strategy
 
 
@@ -18,7 +20,7 @@ class DDP(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         o = self.cfg.strategy.ddp
         dev = self.ctx.device
-        return DistributedDataParallel(
+        ddp = DistributedDataParallel(
             self.prepare(model),
             device_ids=[dev.index] if dev.type == "cuda" else None,
             bucket_cap_mb=o.bucket_cap_mb,
@@ -26,6 +28,11 @@ class DDP(Strategy):
             static_graph=o.static_graph,
             find_unused_parameters=o.find_unused_parameters,
         )
+        ddp_hooks.register(ddp, o)
+        return ddp
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return ddp_hooks.wrap_optimizer(super().build_optimizer(model), self.cfg.strategy.ddp)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         return model.no_sync()
