@@ -69,6 +69,11 @@ def row_for(label: str, s: dict[str, Any]) -> dict[str, Any]:
     mem = s["memory_per_rank"]
     peak_key = "peak_allocated_bytes" if "peak_allocated_bytes" in mem else "peak_rss_bytes"
     state = [sum(v) for v in zip(mem["param_bytes"], mem["grad_bytes"], mem["optim_bytes"], strict=True)]
+    comm = {}
+    if s.get("comm_share") is not None:  # run.comm_breakdown=true
+        comm = {"comm_share_pct": round(100 * s["comm_share"], 1),
+                "exposed_comm_ms": round(1000 * s["exposed_comm_s"], 2),
+                "comm_mib_per_step": round(s["comm_breakdown"]["payload_bytes_per_step"] / MiB, 3)}
     return {
         "strategy": label,
         "ranks": s["world_size"],
@@ -79,15 +84,20 @@ def row_for(label: str, s: dict[str, Any]) -> dict[str, Any]:
         "state_mib": round(max(state) / MiB, 3),
         "final_loss": round(s["final_train_loss"], 6),
         "val_acc": round(s["val_acc"], 4) if s.get("val_acc") is not None else None,
+        **comm,
     }
 
 
+def columns(rows: list[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(k for r in rows for k in r))  # single has no communication columns
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    cols = list(rows[0])
-    width = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    cols = columns(rows)
+    width = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
     print("  ".join(c.ljust(width[c]) for c in cols))
     for r in rows:
-        print("  ".join(str(r[c]).ljust(width[c]) for c in cols))
+        print("  ".join(str(r.get(c, "")).ljust(width[c]) for c in cols))
 
 
 def compare(args: argparse.Namespace) -> int:
@@ -129,7 +139,7 @@ def compare(args: argparse.Namespace) -> int:
         print_table(rows)
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "compare.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer = csv.DictWriter(f, fieldnames=columns(rows))
             writer.writeheader()
             writer.writerows(rows)
         (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")

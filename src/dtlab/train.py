@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
-import platform
-import socket
 import statistics
 import sys
 import time
@@ -22,10 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from dtlab import __version__
 from dtlab.config import (
     Config,
     ConfigError,
@@ -34,20 +29,48 @@ from dtlab.config import (
     load_config,
     to_yaml,
 )
-from dtlab.data import DataSpec, EvalLoader, TrainLoader, build_datasets
+from dtlab.data import EvalLoader, TrainLoader, build_datasets
 from dtlab.distributed import DistContext, detect_env, distributed
 from dtlab.errors import DtlabError, PeerError
-from dtlab.metrics import MetricsLog, peak_memory, state_bytes, time_stats
-from dtlab.models import build_model, count_params
+from dtlab.metrics import MetricsLog
+from dtlab.models import build_model, count_params, loss_fn
 from dtlab.optim import build_scheduler
 from dtlab.strategies import Strategy, build_strategy
+from dtlab.summary import comm_breakdown, save_model, summarize
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy for class labels (B,) and for next tokens (B, T) alike, computed in fp32."""
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction=reduction
-    )
+class Stepper:
+    """One optimizer step over a step's micro batches. Gradients are synchronised on the last micro
+    batch only; `sync=False` keeps every micro batch local (the compute-only step of DDP)."""
+
+    def __init__(self, cfg: Config, strategy: Strategy, model: nn.Module, forward: nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler: Any, device: torch.device) -> None:
+        self.t, self.strategy, self.model, self.forward = cfg.train, strategy, model, forward
+        self.optimizer, self.scheduler, self.device = optimizer, scheduler, device
+        self.scaler = strategy.grad_scaler()
+
+    def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], sync: bool = True) -> torch.Tensor:
+        t, strategy, scaler = self.t, self.strategy, self.scaler
+        self.optimizer.zero_grad(set_to_none=True)
+        step_loss = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(batches):
+            local = not sync or i < len(batches) - 1
+            with strategy.no_sync(self.model) if local else contextlib.nullcontext():
+                with strategy.autocast():
+                    loss = loss_fn(self.forward(x), y) / t.grad_accum_steps
+                (scaler.scale(loss) if scaler else loss).backward()
+            step_loss += loss.detach()
+        if t.grad_clip:
+            if scaler:
+                scaler.unscale_(self.optimizer)
+            strategy.clip_grad_norm_(self.model, t.grad_clip)
+        if scaler:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        return step_loss
 
 
 @torch.no_grad()
@@ -93,7 +116,7 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     val_loader = EvalLoader(val_set, ctx.rank, ctx.world_size, cfg.data.val_batch_size or micro)
     total_steps = t.max_steps or t.epochs * loader.steps_per_epoch
     scheduler = build_scheduler(optimizer, t, total_steps)
-    scaler = strategy.grad_scaler()
+    run_step = Stepper(cfg, strategy, model, forward, optimizer, scheduler, ctx.device)
     torch.manual_seed(cfg.seed + ctx.rank)  # per-rank randomness (dropout) from here on
 
     log = MetricsLog(run_dir, ctx.is_main, total_steps, cfg.run.progress, cfg.run.tensorboard)
@@ -109,29 +132,11 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     model.train()
     for step, (epoch, step_idx) in enumerate(islice(loader.steps(), total_steps), start=1):
         t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
         batches = [train_set.batch(i) for i in step_idx]
         ctx.synchronize()
         data_time = time.perf_counter() - t0
-        step_loss = torch.zeros((), device=ctx.device)
-        for i, (x, y) in enumerate(batches):
-            last_micro = i == len(batches) - 1
-            with contextlib.nullcontext() if last_micro else strategy.no_sync(model):
-                with strategy.autocast():
-                    loss = loss_fn(forward(x), y) / t.grad_accum_steps
-                (scaler.scale(loss) if scaler else loss).backward()
-            step_loss += loss.detach()
-        if t.grad_clip:
-            if scaler:
-                scaler.unscale_(optimizer)
-            strategy.clip_grad_norm_(model, t.grad_clip)
-        lr = scheduler.get_last_lr()[0]
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        scheduler.step()
+        step_loss = run_step(batches)
         ctx.synchronize()
         step_time = time.perf_counter() - t0
         step_times.append(step_time)
@@ -166,78 +171,14 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
                                else summary["median_step_time_s"] * loader.steps_per_epoch)
     if cfg.run.save_model:
         save_model(strategy, model, run_dir / "model.safetensors", ctx)
+    if cfg.run.comm_breakdown and ctx.world_size > 1:  # after training: it changes the model
+        more = [[train_set.batch(i) for i in idx] for _, idx in
+                islice(loader.steps(start_step=total_steps), cfg.run.breakdown_steps)]
+        trace = run_dir / f"trace_rank{ctx.rank}.json" if cfg.run.profile_trace else None
+        summary.update(comm_breakdown(cfg, ctx, strategy, spec, n_params, run_step, more, trace))
     log.write_summary(summary)
     log.close()
     return summary
-
-
-def summarize(cfg: Config, ctx: DistContext, strategy: Strategy, spec: DataSpec, model: nn.Module,
-              optimizer: torch.optim.Optimizer, n_params: int, micro: int, step_times: list[float],
-              data_times: list[float], last_loss: float, evals: dict[str, Any],
-              wall: float) -> dict[str, Any]:
-    """summary.json: every number measured here, per rank where ranks differ."""
-    warm = cfg.run.timing_warmup_steps
-    timed = step_times[warm:] or step_times  # warm-up steps (allocation, compilation) excluded
-    stats = time_stats(timed)
-    mem, state = peak_memory(ctx.device), state_bytes(model, optimizer)
-    per_rank = ctx.gather_floats([*mem.values(), *state.values()])
-    keys = [*mem, *state]
-    gb = cfg.train.global_batch_size
-    summary: dict[str, Any] = {
-        "strategy": cfg.strategy.name,
-        "strategy_options": strategy.describe(),
-        "world_size": ctx.world_size,
-        "nnodes": ctx.env.nnodes,
-        "launcher": ctx.env.launcher,
-        "backend": ctx.backend or "none",
-        "device": ctx.device.type,
-        "device_name": device_name(ctx.device),
-        "threads_per_rank": ctx.threads,
-        "model": cfg.model.name,
-        "n_params": n_params,
-        "data": cfg.data.name,
-        "precision": cfg.train.precision,
-        "compile": cfg.train.compile,
-        "global_batch_size": gb,
-        "micro_batch_size": micro,
-        "grad_accum_steps": cfg.train.grad_accum_steps,
-        "steps": len(step_times),
-        "timed_steps": len(timed),
-        "samples_seen": len(step_times) * gb,
-        "median_step_time_s": stats.get("median"),
-        "step_time_s": stats,
-        "median_data_time_s": time_stats(data_times[warm:] or data_times).get("median"),
-        "samples_per_s": len(timed) * gb / sum(timed) if timed else None,
-        "final_train_loss": last_loss,
-        "val_loss": evals.get("val_loss"),
-        "val_acc": evals.get("val_acc"),
-        "memory_per_rank": {k: [int(r[i]) for r in per_rank] for i, k in enumerate(keys)},
-        "torch_version": torch.__version__,
-        "dtlab_version": __version__,
-        "python_version": platform.python_version(),
-        "hostname": socket.gethostname(),
-        "seed": cfg.seed,
-        "wall_time_s": wall,
-        "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-    if spec.kind == "tokens" and summary["samples_per_s"]:
-        summary["tokens_per_s"] = summary["samples_per_s"] * spec.seq_len
-    return summary
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
-
-
-def save_model(strategy: Strategy, model: nn.Module, path: Path, ctx: DistContext) -> None:
-    """Gather the full state dict (every rank takes part) and write it from rank 0."""
-    from safetensors.torch import save_file
-
-    state, _ = strategy.state_dict(model)
-    if ctx.is_main:
-        save_file({k: v.detach().cpu().clone().contiguous() for k, v in state.items()}, str(path))
 
 
 def run(config: str | None, overrides: list[str]) -> int:

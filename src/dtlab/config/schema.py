@@ -189,6 +189,9 @@ class RunConfig(Section):
     timeout_s: PositiveFloat = 300.0  # process-group timeout: a stuck collective fails after this
     progress: bool | Literal["auto"] = "auto"  # progress bar; auto = when stdout is a terminal
     save_model: bool = False  # write the final full state dict to model.safetensors
+    comm_breakdown: bool = False  # after training: compute vs communication (dtlab/comm/breakdown.py)
+    breakdown_steps: int = Field(12, ge=2)  # steps per breakdown phase (the first is a warm-up)
+    profile_trace: bool = False  # with comm_breakdown: Chrome/Perfetto trace_rank<r>.json
     tensorboard: bool = False
 
 

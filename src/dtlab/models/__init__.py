@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dtlab.config import ModelConfig
@@ -10,7 +12,9 @@ from dtlab.models.cnn import SimpleCNN
 from dtlab.models.gpt import GPT
 from dtlab.models.resnet import ResNet
 
-__all__ = ["GPT", "ResNet", "SimpleCNN", "build_model", "count_params", "has_batchnorm"]
+__all__ = [
+    "GPT", "ResNet", "SimpleCNN", "build_model", "count_params", "has_batchnorm", "loss_fn",
+]
 
 
 def build_model(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
@@ -33,3 +37,10 @@ def count_params(model: nn.Module) -> int:
 
 def has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy for class labels (B,) and for next tokens (B, T) alike, computed in fp32."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction=reduction
+    )

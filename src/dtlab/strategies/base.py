@@ -25,6 +25,13 @@ from dtlab.optim import build_optimizer
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def autocast(precision: str, device: torch.device) -> AbstractContextManager[Any]:
+    """bf16/fp16 autocast on the device, nothing for fp32."""
+    if precision == "fp32":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[precision])
+
+
 class Strategy:
     name = "base"
     wrapper_casts = False  # the wrapper applies mixed precision itself (no autocast on top)
@@ -56,9 +63,7 @@ class Strategy:
         return nullcontext()
 
     def autocast(self) -> AbstractContextManager[Any]:
-        if self.precision == "fp32" or self.wrapper_casts:
-            return nullcontext()
-        return torch.autocast(self.ctx.device.type, dtype=DTYPES[self.precision])
+        return nullcontext() if self.wrapper_casts else autocast(self.precision, self.ctx.device)
 
     def grad_scaler(self) -> torch.amp.GradScaler | None:
         """fp16 needs loss scaling; bf16 and fp32 do not."""

@@ -1,0 +1,145 @@
+"""Compute vs communication in a training step (`run.comm_breakdown=true`).
+
+After training, three short phases on the next batches of the data stream:
+1. normal steps, timed: the step time;
+2. the same steps under torch.profiler: every collective the backend ran, its payload and the
+   time the backend spent in it (gloo: `gloo:<op>` events on gloo's threads, whose durations
+   include waiting for the peer; NCCL: `nccl*` kernels on the GPU);
+3. compute-only steps of the same local work, timed: DDP under `no_sync()` (no all-reduce), FSDP
+   as a plain replica of the model on this rank (no all-gather, no reduce-scatter).
+exposed communication = step - compute-only step; its share of the step; overlapped =
+communication time - exposed. Bytes: the measured payloads, the ring traffic they imply, and the
+analytic volume (DDP 2(n-1)/n G; FSDP FULL_SHARD (n-1)/n (2P + G); without resharding (n-1)/n
+(P + G)).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "Half": 2,
+               "BFloat16": 2, "long int": 8, "int": 4, "unsigned char": 1, "signed char": 1,
+               "bool": 1, "short int": 2}
+
+
+def ring_factor(op: str, n: int) -> float:
+    if "all_reduce" in op or "allreduce" in op:
+        return 2 * (n - 1) / n
+    if any(k in op for k in ("all_gather", "allgather", "reduce_scatter", "alltoall", "all_to_all")):
+        return (n - 1) / n
+    return 1.0
+
+
+def comm_calls(events: Any, n: int) -> tuple[list[dict[str, Any]], float]:
+    """The backend's collectives (op, payload bytes, seconds) and the GPU time of NCCL kernels.
+
+    gloo and NCCL both record `<backend>:<op>` events with the input shapes. gloo's run on its
+    own threads for the whole collective; NCCL's only enqueue, its time is in the kernels.
+    """
+    calls, kernel_s = [], 0.0
+    for e in events:
+        seconds = (e.time_range.end - e.time_range.start) * 1e-6
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name.lower().startswith("nccl"):
+            kernel_s += seconds
+            continue
+        if not e.name.startswith(("gloo:", "nccl:")):
+            continue
+        op = e.name.split(":", 1)[1]
+        shape = (e.input_shapes or [[]])[0]
+        elem = DTYPE_BYTES.get((e.input_dtypes or ["float"])[0], 4)
+        gathered = "all_gather" in op or "allgather" in op  # the shape is this rank's part
+        payload = math.prod(shape) * elem * (n if gathered else 1) if shape else 0
+        calls.append({"op": op, "payload_bytes": payload, "seconds": seconds})
+    return calls, kernel_s
+
+
+def analytic_bytes(strategy: str, options: dict[str, Any], n_params: int, param_elem: int,
+                   grad_elem: int, n: int) -> float | None:
+    """Ring traffic per rank per step, from the strategy's algorithm (None when not modelled)."""
+    p, g = n_params * param_elem, n_params * grad_elem
+    if strategy == "ddp" and options.get("comm_hook", "none") == "none":
+        return 2 * (n - 1) / n * g
+    sharding = options.get("sharding_strategy", "FULL_SHARD")
+    if strategy == "fsdp1" and sharding == "NO_SHARD":
+        return 2 * (n - 1) / n * g
+    if strategy == "fsdp" or (strategy == "fsdp1" and sharding in ("FULL_SHARD", "SHARD_GRAD_OP")):
+        gathers = 2 if options.get("reshard_after_forward", sharding == "FULL_SHARD") else 1
+        return (n - 1) / n * (gathers * p + g)
+    return None
+
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 (C++ code writes there directly) for the duration."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def timed_steps(step: Callable[[Any], Any], batches: list[Any], sync: Callable[[], None],
+                warmup: int = 1) -> float:
+    times = []
+    for i, b in enumerate(batches):
+        sync()
+        t0 = time.perf_counter()
+        step(b)
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(step: Callable[[Any], Any], compute_only: Callable[[Any], Any], batches: list[Any],
+            sync: Callable[[], None], n: int, analytic: float | None,
+            trace: Path | None = None) -> dict[str, Any]:
+    step_s = timed_steps(step, batches, sync)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=activities, record_shapes=True)
+    with quiet_stderr():  # kineto prints "profiler_start" lines on every rank
+        prof.start()
+    for b in batches:
+        step(b)
+        sync()
+    with quiet_stderr():
+        prof.stop()
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    calls, kernel_s = comm_calls(prof.events(), n)
+    compute_s = timed_steps(compute_only, batches, sync)
+    per_step = len(batches)
+    payload = sum(c["payload_bytes"] for c in calls) / per_step
+    traffic = sum(c["payload_bytes"] * ring_factor(c["op"], n) for c in calls) / per_step
+    comm_s = (kernel_s or sum(c["seconds"] for c in calls)) / per_step
+    exposed = max(0.0, step_s - compute_s)
+    ops: dict[str, dict[str, float]] = {}
+    for c in calls:
+        entry = ops.setdefault(c["op"], {"calls": 0, "payload_bytes": 0, "seconds": 0.0})
+        entry["calls"] += 1 / per_step
+        entry["payload_bytes"] += c["payload_bytes"] / per_step
+        entry["seconds"] += c["seconds"] / per_step
+    return {
+        "steps": per_step, "step_time_s": step_s, "compute_time_s": compute_s,
+        "exposed_comm_s": exposed, "comm_share": exposed / step_s if step_s else 0.0,
+        "comm_time_s": comm_s, "overlapped_comm_s": max(0.0, comm_s - exposed),
+        "payload_bytes_per_step": payload, "traffic_bytes_per_step": traffic,
+        "analytic_traffic_bytes_per_step": analytic,
+        "calls_per_step": len(calls) / per_step, "by_op": ops,
+        "payload_sizes": sorted({c["payload_bytes"] for c in calls}),
+    }
