@@ -118,8 +118,8 @@ def comm_breakdown(cfg: Config, ctx: DistContext, strategy: Strategy, spec: Data
     low = cfg.train.precision != "fp32" and s.name in ("fsdp", "fsdp1")
     options = strategy.describe()
     analytic = analytic_bytes(s.name, options, n_params, 2 if low else 4, 4, ctx.world_size)
-    result = measure(run_step, compute_only, batches, ctx.synchronize, ctx.world_size, analytic,
-                     trace)
+    result = measure(run_step, compute_only, batches, ctx.synchronize, ctx.gather_floats,
+                     ctx.world_size, analytic, trace)
     flat = {k: result[k] for k in ("comm_share", "exposed_comm_s", "compute_time_s", "comm_time_s",
                                    "overlapped_comm_s")}
     return {**flat, "comm_breakdown": result}

@@ -3,7 +3,7 @@
     dtlab comm --op all_reduce --min-bytes 8 --max-bytes 128M --nproc-per-node 2 --check
     torchrun --nproc_per_node=8 -m dtlab.comm.bench --op all --max-bytes 1G    # the same, by torchrun
 
-Every iteration: refill the inputs (not timed), barrier, time one collective (device synchronised
+Iterations run back to back after a barrier, each timed on its own (the device synchronised
 after it). The time of a size is the slowest rank's time in each iteration (max over ranks),
 median over iterations; min, max and p99 are kept. With --check the result of every element is
 compared with its expected value and wrong elements are counted over all ranks.
@@ -60,15 +60,15 @@ def sizes(lo: int, hi: int, factor: float) -> list[int]:
 
 
 def timed(case: Case, call: Any, iters: int, warmup: int, ctx: DistContext) -> list[float]:
+    # Back to back, as nccl-tests runs them: refilling inputs or a barrier between iterations
+    # would add one rank's lag to the next measurement. (Values drift; --check runs apart.)
+    case.prepare()
     for _ in range(warmup):
-        case.prepare()
         call()
     ctx.synchronize()
+    dist.barrier()
     times = []
     for _ in range(iters):
-        case.prepare()
-        ctx.synchronize()
-        dist.barrier()
         t0 = time.perf_counter()
         call()
         ctx.synchronize()

@@ -7,8 +7,9 @@ After training, three short phases on the next batches of the data stream:
    include waiting for the peer; NCCL: `nccl*` kernels on the GPU);
 3. compute-only steps of the same local work, timed: DDP under `no_sync()` (no all-reduce), FSDP
    as a plain replica of the model on this rank (no all-gather, no reduce-scatter).
-exposed communication = step - compute-only step; its share of the step; overlapped =
-communication time - exposed. Bytes: the measured payloads, the ring traffic they imply, and the
+exposed communication = step - compute-only step; its share of the step; communication time =
+per step the smallest time any rank spent in collectives (the others also waited for it), median
+over steps; overlapped = communication time - exposed. Bytes: the measured payloads, the ring traffic they imply, and the
 analytic volume (DDP 2(n-1)/n G; FSDP FULL_SHARD (n-1)/n (2P + G); without resharding (n-1)/n
 (P + G)).
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "Half": 2,
                "BFloat16": 2, "long int": 8, "int": 4, "unsigned char": 1, "signed char": 1,
@@ -60,7 +61,8 @@ def comm_calls(events: Any, n: int) -> tuple[list[dict[str, Any]], float]:
         elem = DTYPE_BYTES.get((e.input_dtypes or ["float"])[0], 4)
         gathered = "all_gather" in op or "allgather" in op  # the shape is this rank's part
         payload = math.prod(shape) * elem * (n if gathered else 1) if shape else 0
-        calls.append({"op": op, "payload_bytes": payload, "seconds": seconds})
+        calls.append({"op": op, "payload_bytes": payload, "seconds": seconds,
+                      "start": e.time_range.start})
     return calls, kernel_s
 
 
@@ -107,39 +109,53 @@ def timed_steps(step: Callable[[Any], Any], batches: list[Any], sync: Callable[[
 
 
 def measure(step: Callable[[Any], Any], compute_only: Callable[[Any], Any], batches: list[Any],
-            sync: Callable[[], None], n: int, analytic: float | None,
-            trace: Path | None = None) -> dict[str, Any]:
+            sync: Callable[[], None], gather: Callable[[list[float]], list[list[float]]], n: int,
+            analytic: float | None, trace: Path | None = None) -> dict[str, Any]:
     step_s = timed_steps(step, batches, sync)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = profile(activities=activities, record_shapes=True)
     with quiet_stderr():  # kineto prints "profiler_start" lines on every rank
         prof.start()
     for b in batches:
-        step(b)
-        sync()
+        with record_function("dtlab.step"):
+            step(b)
+            sync()
     with quiet_stderr():
         prof.stop()
     if trace is not None:
         prof.export_chrome_trace(str(trace))
-    calls, kernel_s = comm_calls(prof.events(), n)
+    events = prof.events()
+    calls, kernel_s = comm_calls(events, n)
+    windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == "dtlab.step"]
+    mine = [sum(c["seconds"] for c in calls if a <= c["start"] < b) for a, b in windows]
+    # A rank that reached the collective first also waited for the others: per step, the rank
+    # that waited least shows the transfer itself; the median over steps drops scheduling spikes.
+    ranks = gather(mine)
+    comm_s = statistics.median(min(r[i] for r in ranks) for i in range(len(mine)))
+    comm_max_s = statistics.median(max(r[i] for r in ranks) for i in range(len(mine)))
+    if kernel_s:  # NCCL: the kernels' GPU time is the communication time
+        comm_s = comm_max_s = kernel_s / len(batches)
     compute_s = timed_steps(compute_only, batches, sync)
     per_step = len(batches)
     payload = sum(c["payload_bytes"] for c in calls) / per_step
     traffic = sum(c["payload_bytes"] * ring_factor(c["op"], n) for c in calls) / per_step
-    comm_s = (kernel_s or sum(c["seconds"] for c in calls)) / per_step
     exposed = max(0.0, step_s - compute_s)
-    ops: dict[str, dict[str, float]] = {}
+    ops: dict[str, dict[str, Any]] = {}
     for c in calls:
-        entry = ops.setdefault(c["op"], {"calls": 0, "payload_bytes": 0, "seconds": 0.0})
+        entry = ops.setdefault(c["op"], {"calls": 0, "payload_bytes": 0, "seconds": 0.0,
+                                         "sizes": set()})
         entry["calls"] += 1 / per_step
         entry["payload_bytes"] += c["payload_bytes"] / per_step
         entry["seconds"] += c["seconds"] / per_step
+        entry["sizes"].add(c["payload_bytes"])
+    for entry in ops.values():
+        entry["sizes"] = sorted(entry["sizes"])
     return {
         "steps": per_step, "step_time_s": step_s, "compute_time_s": compute_s,
         "exposed_comm_s": exposed, "comm_share": exposed / step_s if step_s else 0.0,
-        "comm_time_s": comm_s, "overlapped_comm_s": max(0.0, comm_s - exposed),
+        "comm_time_s": comm_s, "comm_time_with_wait_s": comm_max_s,
+        "overlapped_comm_s": max(0.0, comm_s - exposed),
         "payload_bytes_per_step": payload, "traffic_bytes_per_step": traffic,
         "analytic_traffic_bytes_per_step": analytic,
         "calls_per_step": len(calls) / per_step, "by_op": ops,
-        "payload_sizes": sorted({c["payload_bytes"] for c in calls}),
     }
