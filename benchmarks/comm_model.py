@@ -98,13 +98,18 @@ def main() -> None:
             means[int(size)].append(v["mean_us"])
     print(f"1. dtlab comm vs a plain torch.distributed loop (all_reduce in place, {RANKS} ranks, "
           f"{args.iters} iterations, median of {args.repeats} alternating runs)")
-    print(f"{'size (B)':>12}{'dtlab (us)':>12}{'plain (us)':>12}{'ratio':>8}{'plain mean (us)':>17}")
+    print(f"{'size (B)':>12}{'dtlab (us)':>12}{'plain (us)':>12}{'ratio':>8}"
+          f"{'dtlab spread':>14}{'plain spread':>14}{'plain mean (us)':>17}")
     cross = []
     for size in SIZES:
         a, b, m = (statistics.median(x[size]) for x in (ours, theirs, means))
+        # How much each method varies from run to run by itself: (max - min) / median.
+        sa = (max(ours[size]) - min(ours[size])) / a
+        sb = (max(theirs[size]) - min(theirs[size])) / b
         cross.append({"size_bytes": size, "dtlab_us": a, "plain_median_us": b, "ratio": a / b,
-                      "plain_mean_us": m})
-        print(f"{size:>12}{a:>12.1f}{b:>12.1f}{a / b:>8.3f}{m:>17.1f}")
+                      "plain_mean_us": m, "dtlab_runs_us": ours[size], "plain_runs_us": theirs[size]})
+        print(f"{size:>12}{a:>12.1f}{b:>12.1f}{a / b:>8.3f}{100 * sa:>13.0f}%{100 * sb:>13.0f}%"
+              f"{m:>17.1f}")
 
     last = json.loads((tmp / f"comm{args.repeats - 1}.json").read_text())
     rows = [dict(r, time_us=statistics.median(ours[r["size_bytes"]])) for r in last if "size_bytes" in r]
