@@ -74,8 +74,8 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     return torch.futures.collect_all(futures).then(scatter)
 
 
-def register(model: DistributedDataParallel, opts: Any) -> Any:
-    """Install the configured hook; returns the state a wrapper optimizer may need (local SGD)."""
+def register(model: DistributedDataParallel, opts: Any) -> None:
+    """Install the configured hook (DDP keeps the hook's state alive)."""
     name = opts.comm_hook
     if name == "fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -94,8 +94,6 @@ def register(model: DistributedDataParallel, opts: Any) -> Any:
         state = post_localSGD_hook.PostLocalSGDState(
             process_group=None, subgroup=subgroup, start_localSGD_iter=opts.local_sgd_warmup)
         model.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
-        return state
-    return None
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, opts: Any) -> torch.optim.Optimizer:
