@@ -2,9 +2,9 @@
 
     python benchmarks/comm_model.py [--json docs/results/comm_model.json]
 
-1. `dtlab comm` (barrier, one all-reduce, slowest rank, median of iterations) against an
-   independent plain torch.distributed loop (back-to-back all-reduces, no barrier, each timed,
-   slowest rank, median; its mean shown too): the ratio per size.
+1. The timing code of `dtlab comm` (its `timed` on its all_reduce case: back-to-back calls, slowest
+   rank per iteration, median) against an independent plain torch.distributed loop, alternating
+   in one job so that both see the same machine state: the ratio per size.
 2. The alpha-beta fit of `dtlab comm`'s all-reduce times: R^2.
 3. A DDP training run with run.comm_breakdown=true: the communication time the profiler measured
    per step (exposed + overlapped; per step the rank that waited least, median over steps)
@@ -31,33 +31,45 @@ DDP_MODELS = {  # about the same gradient size (11 MB), little and much compute
 }
 
 
-def plain_loop(iters: int) -> None:
-    """The independent baseline: nothing from dtlab, back-to-back all-reduces timed one by one
-    (no barrier), slowest rank per iteration, median; plus the mean, as nccl-tests reports it."""
-    import statistics
+def interleaved(iters: int, repeats: int) -> None:
+    """Worker: per size, alternate dtlab's timing code with a plain loop, `repeats` times each.
+
+    Alternating inside one job makes both see the same machine state (this VM drifts by 10-50%
+    between runs minutes apart at small sizes). The plain loop uses nothing from dtlab: back-to-back
+    all-reduces, each timed, slowest rank per iteration."""
 
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
+    from dtlab.comm.bench import timed
+    from dtlab.comm.ops import make_case
+    from dtlab.distributed import distributed
+
     out = {}
-    for size in SIZES:
-        x = torch.ones(size // 4)
-        for _ in range(5):
-            dist.all_reduce(x)
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - t0)
-        slowest = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        out[size] = {"median_us": statistics.median(slowest.tolist()) * 1e6,
-                     "mean_us": statistics.fmean(slowest.tolist()) * 1e6}
-    if dist.get_rank() == 0:
+    with distributed(need_group=True) as ctx:
+        for size in SIZES:
+            case = make_case("all_reduce", size // 4, torch.float32, ctx.device)
+            x = torch.ones(size // 4)
+            ours: list[float] = []
+            theirs: list[float] = []
+            for _ in range(repeats):
+                ours += timed(case, case.in_place, iters, 3, ctx)  # what `dtlab comm` runs
+                for _ in range(3):
+                    dist.all_reduce(x)
+                dist.barrier()
+                times = []
+                for _ in range(iters):
+                    t0 = time.perf_counter()
+                    dist.all_reduce(x)
+                    times.append(time.perf_counter() - t0)
+                slowest = torch.tensor(times, dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                theirs += slowest.tolist()
+            out[size] = {"dtlab_us": statistics.median(ours) * 1e6,
+                         "plain_us": statistics.median(theirs) * 1e6,
+                         "plain_mean_us": statistics.fmean(theirs) * 1e6}
+    if ctx.rank == 0:
         print(json.dumps(out))
-    dist.destroy_process_group()
 
 
 def run(cmd: list[str]) -> str:
@@ -67,52 +79,37 @@ def run(cmd: list[str]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=100)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--json")
-    p.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.plain:
-        plain_loop(args.iters)
+    if args.worker:
+        interleaved(args.iters, args.repeats)
         return
     from dtlab.comm.model import fit, predict
 
     tmp = Path(tempfile.mkdtemp())
     dtlab = [sys.executable, "-m", "dtlab"]
-    ours: dict[int, list[float]] = {s: [] for s in SIZES}
-    theirs: dict[int, list[float]] = {s: [] for s in SIZES}
-    means: dict[int, list[float]] = {s: [] for s in SIZES}
-    for repeat in range(args.repeats):  # alternate the two, so that drift hits both
-        run([*dtlab, "comm", "--op", "all_reduce", "--nproc-per-node", str(RANKS), "--min-bytes",
-             str(SIZES[0]), "--max-bytes", str(SIZES[-1]), "--factor", "4", "--iters",
-             str(args.iters), "--json", str(tmp / f"comm{repeat}.json")])
-        for r in json.loads((tmp / f"comm{repeat}.json").read_text()):
-            if "size_bytes" in r:
-                ours[r["size_bytes"]].append(r["ip"]["time_us"])
-        plain = json.loads(run([sys.executable, "-m", "torch.distributed.run",
+    cross_raw = json.loads(run([sys.executable, "-m", "torch.distributed.run",
                                 f"--nproc-per-node={RANKS}", "--rdzv-backend=c10d",
                                 "--rdzv-endpoint=127.0.0.1:0", str(Path(__file__).resolve()),
-                                "--plain", "--iters", str(args.iters)]).strip().splitlines()[-1])
-        for size, v in plain.items():
-            theirs[int(size)].append(v["median_us"])
-            means[int(size)].append(v["mean_us"])
-    print(f"1. dtlab comm vs a plain torch.distributed loop (all_reduce in place, {RANKS} ranks, "
-          f"{args.iters} iterations, median of {args.repeats} alternating runs)")
-    print(f"{'size (B)':>12}{'dtlab (us)':>12}{'plain (us)':>12}{'ratio':>8}"
-          f"{'dtlab spread':>14}{'plain spread':>14}{'plain mean (us)':>17}")
+                                "--worker", "--iters", str(args.iters), "--repeats",
+                                str(args.repeats)]).strip().splitlines()[-1])
+    print(f"1. dtlab comm's timing vs a plain torch.distributed loop (all_reduce in place, {RANKS} "
+          f"ranks, {args.repeats} x {args.iters} iterations each, alternating in one job)")
+    print(f"{'size (B)':>12}{'dtlab (us)':>12}{'plain (us)':>12}{'ratio':>8}{'plain mean (us)':>17}")
     cross = []
-    for size in SIZES:
-        a, b, m = (statistics.median(x[size]) for x in (ours, theirs, means))
-        # How much each method varies from run to run by itself: (max - min) / median.
-        sa = (max(ours[size]) - min(ours[size])) / a
-        sb = (max(theirs[size]) - min(theirs[size])) / b
-        cross.append({"size_bytes": size, "dtlab_us": a, "plain_median_us": b, "ratio": a / b,
-                      "plain_mean_us": m, "dtlab_runs_us": ours[size], "plain_runs_us": theirs[size]})
-        print(f"{size:>12}{a:>12.1f}{b:>12.1f}{a / b:>8.3f}{100 * sa:>13.0f}%{100 * sb:>13.0f}%"
-              f"{m:>17.1f}")
+    for size, v in cross_raw.items():
+        ratio = v["dtlab_us"] / v["plain_us"]
+        cross.append({"size_bytes": int(size), **v, "ratio": ratio})
+        print(f"{size:>12}{v['dtlab_us']:>12.1f}{v['plain_us']:>12.1f}{ratio:>8.3f}"
+              f"{v['plain_mean_us']:>17.1f}")
 
-    last = json.loads((tmp / f"comm{args.repeats - 1}.json").read_text())
-    rows = [dict(r, time_us=statistics.median(ours[r["size_bytes"]])) for r in last if "size_bytes" in r]
+    run([*dtlab, "comm", "--op", "all_reduce", "--nproc-per-node", str(RANKS), "--min-bytes",
+         str(SIZES[0]), "--max-bytes", str(SIZES[-1]), "--factor", "4", "--iters", str(args.iters),
+         "--json", str(tmp / "comm.json")])
+    rows = [r for r in json.loads((tmp / "comm.json").read_text()) if "size_bytes" in r]
     model = fit(rows)["all_reduce"]
     print(f"\n2. alpha-beta fit of all_reduce: a = {model['a_s'] * 1e6:.1f} us, "
           f"1/b = {1 / model['b_s_per_byte'] / 1e9:.3f} GB/s, R^2 = {model['r2']:.4f}")
