@@ -127,12 +127,19 @@ def measure(step: Callable[[Any], Any], compute_only: Callable[[Any], Any], batc
     events = prof.events()
     calls, kernel_s = comm_calls(events, n)
     windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == "dtlab.step"]
-    mine = [sum(c["seconds"] for c in calls if a <= c["start"] < b) for a, b in windows]
-    # A rank that reached the collective first also waited for the others: per step, the rank
-    # that waited least shows the transfer itself; the median over steps drops scheduling spikes.
-    ranks = gather(mine)
-    comm_s = statistics.median(min(r[i] for r in ranks) for i in range(len(mine)))
-    comm_max_s = statistics.median(max(r[i] for r in ranks) for i in range(len(mine)))
+
+    def in_collectives(op: str | None) -> tuple[float, float]:
+        """Seconds per step in collectives (one op or all): least and most over ranks, medians.
+
+        A rank that reached a collective first also waited for the others: per step, the rank
+        that waited least shows the transfer itself; the median over steps drops spikes."""
+        mine = [sum(c["seconds"] for c in calls if a <= c["start"] < b and op in (None, c["op"]))
+                for a, b in windows]
+        ranks = gather(mine)  # every rank calls this for the same ops in the same order
+        return (statistics.median(min(r[i] for r in ranks) for i in range(len(mine))),
+                statistics.median(max(r[i] for r in ranks) for i in range(len(mine))))
+
+    comm_s, comm_max_s = in_collectives(None)
     if kernel_s:  # NCCL: the kernels' GPU time is the communication time
         comm_s = comm_max_s = kernel_s / len(batches)
     compute_s = timed_steps(compute_only, batches, sync)
@@ -148,8 +155,9 @@ def measure(step: Callable[[Any], Any], compute_only: Callable[[Any], Any], batc
         entry["payload_bytes"] += c["payload_bytes"] / per_step
         entry["seconds"] += c["seconds"] / per_step
         entry["sizes"].add(c["payload_bytes"])
-    for entry in ops.values():
-        entry["sizes"] = sorted(entry["sizes"])
+    for op in sorted(ops):
+        ops[op]["sizes"] = sorted(ops[op]["sizes"])
+        ops[op]["seconds_per_step"] = in_collectives(op)[0]
     return {
         "steps": per_step, "step_time_s": step_s, "compute_time_s": compute_s,
         "exposed_comm_s": exposed, "comm_share": exposed / step_s if step_s else 0.0,
