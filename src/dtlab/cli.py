@@ -1,4 +1,4 @@
-"""`dtlab` command line: train, compare, sweep, collect, plot, report, config.
+"""`dtlab` command line: train, compare, sweep, collect, plot, report, comm, export, config.
 
 Bad input ends with one line on stderr and exit code 2. torch is imported only when work starts,
 so configuration mistakes are reported at once.
@@ -22,7 +22,10 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (multi-node; default "
                    "127.0.0.1 with a free port)")
     p.add_argument("--rdzv-id", default="dtlab", help="job id shared by all nodes")
-    p.add_argument("--max-restarts", type=int, default=0, help="restarts of the worker group")
+    p.add_argument("--max-restarts", type=int, default=0, help="restarts of the worker group "
+                   "(each restart resumes from the latest checkpoint)")
+    p.add_argument("--rdzv-conf", default="", help="extra rendezvous settings, e.g. is_host=true "
+                   "on the node that hosts the c10d store")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -42,7 +45,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     worker_args = (["--config", args.config] if args.config else []) + list(args.overrides)
     return launch(worker_args, args.nproc_per_node, args.nnodes, args.rdzv_endpoint,
-                  args.rdzv_id, args.max_restarts)
+                  args.rdzv_id, args.max_restarts, rdzv_conf=args.rdzv_conf)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -87,6 +90,13 @@ def cmd_comm(args: argparse.Namespace) -> int:
     from dtlab.comm.cli import run_comm
 
     return run_comm(args)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from dtlab.checkpoint import export
+
+    print(f"written: {export(Path(args.checkpoint), Path(args.output))}")
+    return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -148,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_comm_arguments(p)
     p.set_defaults(func=cmd_comm)
+
+    p = sub.add_parser("export", help="a checkpoint's full model as one safetensors file")
+    p.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_NNNNNN")
+    p.add_argument("-o", "--output", default="model.safetensors")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("config", help="print the resolved config (or --keys: every valid key)")
     p.add_argument("--config")

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -182,6 +183,33 @@ class DistContext:
         return [t.tolist() for t in out]
 
 
+COMM_FAILURE = ("gloo", "nccl", "timed out", "timeout", "connection", "pair closure", "peer")
+
+
+def is_comm_failure(error: BaseException) -> bool:
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(k in text for k in COMM_FAILURE)
+
+
+def who_stopped(ctx: DistContext, step: int, error: BaseException, grace_s: float = 3.0) -> str:
+    """After a collective failed here: which ranks never reached it?
+
+    Every rank whose collective failed leaves a mark in the rendezvous store; after a grace period
+    the ranks without a mark are the ones that stopped taking part (hung, crashed or killed)."""
+    first = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0])[:200]  # no source path
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"dtlab/failed/{ctx.rank}", str(step))
+        time.sleep(grace_s)
+        silent = [r for r in range(ctx.world_size) if not store.check([f"dtlab/failed/{r}"])]
+    except Exception:  # the store itself may be gone with the failed rank  # noqa: BLE001
+        silent = []
+    who = f"rank(s) {silent} stopped taking part" if silent else "the peers could not be asked"
+    return (f"a collective failed at step {step} on rank {ctx.rank} ({first}); {who}; "
+            "see their output above. fix: look for the cause there (a crash, OOM, a hang in "
+            "data loading), or raise run.timeout_s if the step is legitimately slow")
+
+
 def _raise_on_sigterm(signum: int, frame: object) -> None:
     # The launcher stops surviving workers with SIGTERM; exiting through Python runs the cleanup.
     sys.exit(128 + signum)
@@ -225,8 +253,14 @@ def distributed(
                 ):
                     if value is not None:
                         os.environ[key] = str(value)
+                store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+                # After a restart, keys of the previous attempt (peer addresses of dead processes)
+                # must not be read: gloo then tries a dead port until the timeout ("Gloo
+                # connectFullMesh failed ... Connection refused", seen here). One namespace per attempt.
+                attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
                 dist.init_process_group(
                     group_backend,
+                    store=dist.PrefixStore(f"dtlab/attempt{attempt}", store),
                     rank=env.rank,
                     world_size=env.world_size,
                     timeout=timeout,

@@ -17,3 +17,9 @@ class DataError(DtlabError):
 
 class PeerError(DtlabError):
     """This rank stops because another rank failed; that rank prints the cause."""
+
+
+class RunError(DtlabError):
+    """The run itself failed (a peer stopped, a non-finite loss): exit code 1, not bad input."""
+
+    exit_code = 1

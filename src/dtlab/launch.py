@@ -24,6 +24,7 @@ def launch(
     rdzv_id: str = "dtlab",
     max_restarts: int = 0,
     module: str = "dtlab.train",
+    rdzv_conf: str = "",
 ) -> int:
     """Run `python -m <module> <worker_args>` on `nproc_per_node` local ranks; return an exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -40,6 +41,7 @@ def launch(
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={rdzv_id}",
         f"--max-restarts={max_restarts}",
+        *([f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else []),
         "--module",
         module,
         *worker_args,

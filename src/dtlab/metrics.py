@@ -77,16 +77,20 @@ class MetricsLog:
     """Rank 0 writes; other ranks call the same methods, which do nothing."""
 
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, progress: bool | str,
-                 tensorboard: bool = False) -> None:
+                 tensorboard: bool = False, resume_step: int | None = None) -> None:
         self.enabled = enabled
         self.jsonl: TextIO | None = None
         self.bar = None
         self.tb = None
+        self.lost_steps = 0  # logged steps after the checkpoint we resume from: they run again
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
-        self.jsonl = open(run_dir / "metrics.jsonl", "w")  # noqa: SIM115 - closed in close()
+        path = run_dir / "metrics.jsonl"
+        kept = self._history(path, resume_step) if resume_step is not None else []
+        self.jsonl = open(path, "w")  # noqa: SIM115 - closed in close()
+        self.jsonl.writelines(line + "\n" for line in kept)
         interactive = progress is True or (progress == "auto" and sys.stdout.isatty())
         if interactive:
             from tqdm import tqdm
@@ -96,6 +100,20 @@ class MetricsLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+
+    def _history(self, path: Path, resume_step: int) -> list[str]:
+        """The records up to the resumed step (a crash can leave a torn last line: dropped)."""
+        kept = []
+        for line in path.read_text().splitlines() if path.is_file() else []:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("step", 0) <= resume_step:
+                kept.append(line)
+            elif "loss" in record:
+                self.lost_steps = max(self.lost_steps, record["step"] - resume_step)
+        return kept
 
     def _print(self, line: str) -> None:
         if self.bar is not None:

@@ -2,14 +2,13 @@
 
     torchrun --nproc_per_node=N -m dtlab.train --config FILE [key=value ...]
 
-Read `train()` top to bottom: data, model, strategy, optimizer, then the step: micro batches
-(gradient sync only on the last), clip, optimizer step, schedule, log, evaluate.
+Read `train()` top to bottom: data, model, strategy, optimizer, resume, then for each step: the
+step (dtlab/step.py), log, evaluate, checkpoint; then the summary.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -19,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
+from dtlab import checkpoint, state
 from dtlab.config import (
     Config,
     ConfigError,
@@ -30,68 +29,15 @@ from dtlab.config import (
     to_yaml,
 )
 from dtlab.data import EvalLoader, TrainLoader, build_datasets
-from dtlab.distributed import DistContext, detect_env, distributed
-from dtlab.errors import DtlabError, PeerError
+from dtlab.distributed import DistContext, detect_env, distributed, is_comm_failure, who_stopped
+from dtlab.errors import DtlabError, PeerError, RunError
+from dtlab.faults import Fault
 from dtlab.metrics import MetricsLog
-from dtlab.models import build_model, count_params, loss_fn
+from dtlab.models import build_model, count_params
 from dtlab.optim import build_scheduler
-from dtlab.strategies import Strategy, build_strategy
+from dtlab.step import Stepper, evaluate
+from dtlab.strategies import build_strategy
 from dtlab.summary import comm_breakdown, save_model, summarize
-
-
-class Stepper:
-    """One optimizer step over a step's micro batches. Gradients are synchronised on the last micro
-    batch only; `sync=False` keeps every micro batch local (the compute-only step of DDP)."""
-
-    def __init__(self, cfg: Config, strategy: Strategy, model: nn.Module, forward: nn.Module,
-                 optimizer: torch.optim.Optimizer, scheduler: Any, device: torch.device) -> None:
-        self.t, self.strategy, self.model, self.forward = cfg.train, strategy, model, forward
-        self.optimizer, self.scheduler, self.device = optimizer, scheduler, device
-        self.scaler = strategy.grad_scaler()
-
-    def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], sync: bool = True) -> torch.Tensor:
-        t, strategy, scaler = self.t, self.strategy, self.scaler
-        self.optimizer.zero_grad(set_to_none=True)
-        step_loss = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(batches):
-            local = not sync or i < len(batches) - 1
-            with strategy.no_sync(self.model) if local else contextlib.nullcontext():
-                with strategy.autocast():
-                    loss = loss_fn(self.forward(x), y) / t.grad_accum_steps
-                (scaler.scale(loss) if scaler else loss).backward()
-            step_loss += loss.detach()
-        if t.grad_clip:
-            if scaler:
-                scaler.unscale_(self.optimizer)
-            strategy.clip_grad_norm_(self.model, t.grad_clip)
-        if scaler:
-            scaler.step(self.optimizer)
-            scaler.update()
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
-        return step_loss
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, loader: EvalLoader, strategy: Strategy, ctx: DistContext) -> dict:
-    """Validation loss and accuracy over every sample once, reduced across ranks as sums."""
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, count
-    for x, y, mask in loader:
-        with strategy.autocast():
-            logits = model(x)
-        weight = mask.view(-1, *[1] * (y.dim() - 1)).expand_as(y).double()
-        per_item = loss_fn(logits, y, reduction="none").view(y.shape)
-        totals += torch.stack([
-            (per_item.double() * weight).sum(),
-            ((logits.argmax(-1) == y).double() * weight).sum(),
-            weight.sum(),
-        ])
-    ctx.all_reduce_sum(totals)
-    model.train()
-    loss_sum, correct, count = totals.tolist()
-    return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_count": int(count)}
 
 
 def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
@@ -116,10 +62,23 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     val_loader = EvalLoader(val_set, ctx.rank, ctx.world_size, cfg.data.val_batch_size or micro)
     total_steps = t.max_steps or t.epochs * loader.steps_per_epoch
     scheduler = build_scheduler(optimizer, t, total_steps)
-    run_step = Stepper(cfg, strategy, model, forward, optimizer, scheduler, ctx.device)
+    fault = Fault(cfg.run.fault, ctx.rank)
+    run_step = Stepper(cfg, strategy, model, forward, optimizer, scheduler, ctx.device, fault)
     torch.manual_seed(cfg.seed + ctx.rank)  # per-rank randomness (dropout) from here on
 
-    log = MetricsLog(run_dir, ctx.is_main, total_steps, cfg.run.progress, cfg.run.tensorboard)
+    # Resume: model, optimizer, schedule, RNG and the position in the data order.
+    start = 0
+    path = state.resume_path(cfg, run_dir, warn=ctx.is_main)
+    if path is not None:
+        start = state.load(path, cfg, ctx, strategy, model, optimizer, scheduler,
+                           run_step.scaler)["step"]
+        run_step.step_number = start
+    log = MetricsLog(run_dir, ctx.is_main, total_steps, cfg.run.progress, cfg.run.tensorboard,
+                     resume_step=start if path is not None else None)
+    if path is not None and ctx.is_main:
+        done = " (the run is complete: evaluating only; resume=none starts over)" if start >= total_steps else ""
+        print(f"dtlab: resuming from {path} at step {start}{done}; steps lost since that "
+              f"checkpoint: {log.lost_steps}", file=sys.stderr, flush=True)
     if ctx.is_main:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
     tokens_per_sample = spec.seq_len if spec.kind == "tokens" else 0
@@ -128,39 +87,58 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     epoch_times: list[float] = []
     last_loss = float("nan")
     evals: dict[str, Any] = {}
+    epoch = start // loader.steps_per_epoch
+
+    def save_checkpoint(step: int) -> None:
+        state.save(cfg, ctx, strategy, model, optimizer, scheduler, run_step.scaler, step, epoch,
+                   n_params, fault)
 
     model.train()
-    for step, (epoch, step_idx) in enumerate(islice(loader.steps(), total_steps), start=1):
-        t0 = time.perf_counter()
-        lr = scheduler.get_last_lr()[0]
-        batches = [train_set.batch(i) for i in step_idx]
-        ctx.synchronize()
-        data_time = time.perf_counter() - t0
-        step_loss = run_step(batches)
-        ctx.synchronize()
-        step_time = time.perf_counter() - t0
-        step_times.append(step_time)
-        data_times.append(data_time)
+    steps = enumerate(islice(loader.steps(start), max(0, total_steps - start)), start=start + 1)
+    step = start
+    try:
+        for step, (epoch, step_idx) in steps:
+            fault.before_step(step)
+            t0 = time.perf_counter()
+            lr = scheduler.get_last_lr()[0]
+            batches = [train_set.batch(i) for i in step_idx]
+            ctx.synchronize()
+            data_time = time.perf_counter() - t0
+            step_loss = run_step(batches)
+            ctx.synchronize()
+            step_time = time.perf_counter() - t0
+            step_times.append(step_time)
+            data_times.append(data_time)
 
-        if step % cfg.run.log_every == 0 or step == total_steps:
-            last_loss = ctx.all_reduce_sum(step_loss).item() / ctx.world_size
-            record = {
-                "step": step, "epoch": epoch, "loss": last_loss, "lr": lr,
-                "step_time_s": step_time, "data_time_s": data_time,
-                "samples_per_s": t.global_batch_size / step_time,
-            }
-            if tokens_per_sample:
-                record["tokens_per_s"] = record["samples_per_s"] * tokens_per_sample
-            log.log(record, quiet=log.bar is not None)
-        log.advance(1, last_loss)
-        end_of_epoch = step % loader.steps_per_epoch == 0
-        if end_of_epoch:  # training time of a complete epoch (evaluation not included)
-            epoch_times.append(sum(step_times[-loader.steps_per_epoch:]))
-        if (t.eval_every and step % t.eval_every == 0) or (not t.eval_every and end_of_epoch) or (
-            step == total_steps
-        ):
+            if step % cfg.run.log_every == 0 or step == total_steps:
+                last_loss = ctx.all_reduce_sum(step_loss).item() / ctx.world_size
+                record = {
+                    "step": step, "epoch": epoch, "loss": last_loss, "lr": lr,
+                    "step_time_s": step_time, "data_time_s": data_time,
+                    "samples_per_s": t.global_batch_size / step_time,
+                }
+                if tokens_per_sample:
+                    record["tokens_per_s"] = record["samples_per_s"] * tokens_per_sample
+                log.log(record, quiet=log.bar is not None)
+            log.advance(1, last_loss)
+            end_of_epoch = step % loader.steps_per_epoch == 0
+            if end_of_epoch and len(step_times) >= loader.steps_per_epoch:
+                epoch_times.append(sum(step_times[-loader.steps_per_epoch:]))  # training only
+            if (t.eval_every and step % t.eval_every == 0) or (not t.eval_every and end_of_epoch) \
+                    or step == total_steps:
+                evals = {"step": step, "epoch": epoch, **evaluate(forward, val_loader, strategy, ctx)}
+                log.log(evals)
+            if t.checkpoint_every and step % t.checkpoint_every == 0:
+                save_checkpoint(step)
+        if not evals:  # resumed a finished run: evaluate what it left
             evals = {"step": step, "epoch": epoch, **evaluate(forward, val_loader, strategy, ctx)}
             log.log(evals)
+        if t.checkpoint_every and not (checkpoint.checkpoint_root(run_dir) / f"step_{step:06d}").is_dir():
+            save_checkpoint(step)  # the end of the run (or of a resumed run, here in run.dir)
+    except RuntimeError as e:
+        if ctx.world_size > 1 and is_comm_failure(e):
+            raise RunError(who_stopped(ctx, step, e)) from None
+        raise
 
     summary = summarize(cfg, ctx, strategy, spec, model, optimizer, n_params, micro, step_times,
                         data_times, last_loss, evals, time.perf_counter() - started)
@@ -168,7 +146,10 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     # Measured when at least one epoch completed, else the median step time x steps per epoch.
     summary["epoch_time_measured"] = bool(epoch_times)
     summary["epoch_time_s"] = (statistics.median(epoch_times) if epoch_times
-                               else summary["median_step_time_s"] * loader.steps_per_epoch)
+                               else (summary["median_step_time_s"] or 0) * loader.steps_per_epoch)
+    summary["skipped_steps"] = run_step.skipped
+    if path is not None:
+        summary["resumed_from"] = {"path": str(path), "step": start, "lost_steps": log.lost_steps}
     if cfg.run.save_model:
         save_model(strategy, model, run_dir / "model.safetensors", ctx)
     if cfg.run.comm_breakdown and ctx.world_size > 1:  # after training: it changes the model

@@ -15,6 +15,7 @@ from dtlab.config.schema import (
     CNNConfig,
     Config,
     DataConfig,
+    FaultConfig,
     GPTConfig,
     ModelConfig,
     ResNetConfig,
@@ -28,7 +29,7 @@ from dtlab.config.schema import (
 from dtlab.errors import ConfigError
 
 __all__ = [
-    "SHARDING_STRATEGIES", "STRATEGIES", "CNNConfig", "Config", "ConfigError", "DataConfig",
+    "SHARDING_STRATEGIES", "STRATEGIES", "CNNConfig", "Config", "ConfigError", "DataConfig", "FaultConfig",
     "GPTConfig", "ModelConfig", "ResNetConfig", "RunConfig", "StrategyConfig", "SyntheticConfig",
     "TrainConfig", "apply_override", "check_environment", "check_world", "format_validation_error",
     "load_config", "parse_value", "read_yaml", "to_yaml", "valid_keys",

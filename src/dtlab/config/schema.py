@@ -126,6 +126,9 @@ class TrainConfig(Section):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     compile: bool = False
     eval_every: NonNegativeInt = 0  # steps; 0 = at the end of each epoch and of the run
+    checkpoint_every: NonNegativeInt = 0  # steps; 0 = no checkpoints (else also one at the end)
+    keep_checkpoints: PositiveInt = 2  # the last K complete checkpoints are kept
+    nan_policy: Literal["error", "skip"] = "error"  # a non-finite loss or gradient: stop, or skip
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> TrainConfig:
@@ -179,6 +182,14 @@ class StrategyConfig(Section):
 
 
 # ------------------------------------------------------------------------------------------- run
+class FaultConfig(Section):
+    """Fault injection, for testing recovery: fires once, on one rank, in the first attempt."""
+
+    kind: Literal["none", "kill", "exit", "hang", "nan", "kill_in_save"] = "none"
+    step: PositiveInt = 1
+    rank: NonNegativeInt = 0
+
+
 class RunConfig(Section):
     dir: str | None = None  # None = runs/<config name>-<strategy>
     log_every: PositiveInt = 10
@@ -192,11 +203,13 @@ class RunConfig(Section):
     comm_breakdown: bool = False  # after training: compute vs communication (dtlab/comm/breakdown.py)
     breakdown_steps: int = Field(12, ge=2)  # steps per breakdown phase (the first is a warm-up)
     profile_trace: bool = False  # with comm_breakdown: Chrome/Perfetto trace_rank<r>.json
+    fault: FaultConfig = Field(default_factory=FaultConfig)
     tensorboard: bool = False
 
 
 class Config(Section):
     seed: int = 0
+    resume: str = "auto"  # auto: the latest complete checkpoint in run.dir; none; or a path
     model: ModelConfig = Field(default_factory=CNNConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -237,6 +250,11 @@ def check_world(cfg: Config, world_size: int, local_world_size: int | None = Non
         raise ConfigError(
             f"strategy.name=single runs one process but {world_size} ranks were started; "
             "fix: use --nproc-per-node 1, or strategy.name=ddp|fsdp|fsdp1"
+        )
+    if s.name == "ddp" and s.ddp.comm_hook == "local_sgd" and t.checkpoint_every:
+        raise ConfigError(
+            "train.checkpoint_every with strategy.ddp.comm_hook=local_sgd is not supported (its "
+            "optimizer wrapper has no distributed state dict); fix: set one of them off"
         )
     if s.name == "ddp" and s.ddp.comm_hook == "local_sgd" and world_size % s.ddp.local_sgd_group_size:
         raise ConfigError(

@@ -20,7 +20,7 @@ from dtlab.data.synthetic import synthetic_images, synthetic_tokens
 from dtlab.distributed import DistContext
 from dtlab.errors import DataError, PeerError
 
-__all__ = ["DataSpec", "Dataset", "EvalLoader", "TrainLoader", "build_datasets"]
+__all__ = ["DataSpec", "Dataset", "EvalLoader", "TrainLoader", "build_datasets", "spec_for"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,17 @@ class DataSpec:
 
 
 IMAGE_SETS = {"cifar10": (cifar10, (3, 32)), "mnist": (mnist, (1, 28))}
+
+
+def spec_for(cfg: Config) -> DataSpec:
+    """What the model must accept, from the config alone (no data is read)."""
+    if cfg.model.name == "gpt":
+        return DataSpec("tokens", vocab_size=cfg.model.vocab_size, seq_len=cfg.model.block_size)
+    if cfg.data.name == "synthetic":
+        s = cfg.data.synthetic
+        return DataSpec("image", s.in_channels, s.image_size, s.num_classes)
+    channels, size = IMAGE_SETS[cfg.data.name][1]
+    return DataSpec("image", channels, size, 10)
 
 
 def _limit(ds: ArrayDataset, n: int) -> ArrayDataset:
@@ -61,9 +72,9 @@ def _prepare_files(cfg: Config, ctx: DistContext) -> None:
 
 def build_datasets(cfg: Config, ctx: DistContext) -> tuple[Dataset, Dataset, DataSpec]:
     d, dev = cfg.data, ctx.device
+    spec = spec_for(cfg)
     if cfg.model.name == "gpt":
         m = cfg.model
-        spec = DataSpec("tokens", vocab_size=m.vocab_size, seq_len=m.block_size)
         if d.name == "synthetic":
             train, val = synthetic_tokens(d.synthetic, cfg.seed, m.vocab_size, m.block_size, dev)
             return _limit(train, d.train_limit), _limit(val, d.val_limit), spec
@@ -73,17 +84,14 @@ def build_datasets(cfg: Config, ctx: DistContext) -> tuple[Dataset, Dataset, Dat
         ]
         return splits[0], splits[1], spec
     if d.name == "synthetic":
-        s = d.synthetic
-        train, val = synthetic_images(s, cfg.seed, dev)
-        spec = DataSpec("image", s.in_channels, s.image_size, s.num_classes)
+        train, val = synthetic_images(d.synthetic, cfg.seed, dev)
     else:
-        module, (channels, size) = IMAGE_SETS[d.name]
+        module, _ = IMAGE_SETS[d.name]
         _prepare_files(cfg, ctx)
         folder = Path(d.dir) / (cifar10.FOLDER if d.name == "cifar10" else "MNIST")
         norm = normalizer(module.MEAN, module.STD, dev)
         train, val = (ArrayDataset(*(t.to(dev) for t in module.read_split(folder, split)), norm)
                       for split in ("train", "test"))
-        spec = DataSpec("image", channels, size, 10)
     if d.augment:
         gen = torch.Generator(device=dev).manual_seed(cfg.seed * 1000 + ctx.rank)
         train = ArrayDataset(train.inputs, train.targets, augmenter(train.transform, gen))

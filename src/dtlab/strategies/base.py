@@ -78,6 +78,11 @@ class Strategy:
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """The global gradient norm, without clipping. Replicated gradients: a local computation."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+
     # --- state ---------------------------------------------------------------------------
     def state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, full: bool = True

@@ -58,5 +58,9 @@ class FSDP(Strategy):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        norm = super().grad_norm(model)  # a DTensor: its full value reduces over the shards
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
     def describe(self) -> dict[str, Any]:
         return self.cfg.strategy.fsdp.model_dump()

@@ -80,5 +80,8 @@ class FSDP1(Strategy):
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return model.clip_grad_norm_(max_norm)  # reduces the norm over the shards
 
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        return model.clip_grad_norm_(float("inf"))  # clipping at infinity: the norm, unchanged
+
     def describe(self) -> dict[str, Any]:
         return self.cfg.strategy.fsdp1.model_dump()

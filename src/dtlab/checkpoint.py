@@ -1,0 +1,273 @@
+"""Sharded checkpoints that survive crashes, and resume that continues exactly.
+
+Layout: RUN_DIR/checkpoints/step_000120/ holds torch.distributed.checkpoint (DCP) shards of the
+model and optimizer tensors (each rank writes its own shards; get_state_dict/set_state_dict make
+single, DDP, FSDP2 and FSDP1 read and write the same format, so a checkpoint loads on any world
+size and strategy), one `rng_rank<r>.json` per rank, and `dtlab-checkpoint.json`, the manifest:
+step, config, data-order parameters, scheduler and scaler state, optimizer hyper-parameters, and
+the size and sha256 of every file.
+
+A save writes into `.tmp-step_000120/`, writes the manifest last, and publishes the directory
+with one rename: a directory under the final name is complete; a crash leaves only a `.tmp-`
+directory, which is ignored (with a warning) and cleaned up by the next save.
+
+Loading unpickles nothing but tensors: DCP reads tensors with weights_only=True, every non-tensor
+value lives in JSON, and DCP's `.metadata` (a pickle) is read by an unpickler that only accepts
+DCP's own metadata classes. Checksums are verified before anything is read.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+
+from dtlab.errors import DtlabError
+
+MANIFEST = "dtlab-checkpoint.json"
+FORMAT = "dtlab-checkpoint/1"
+STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+class CheckpointError(DtlabError):
+    """A checkpoint that cannot be used: missing, incomplete, corrupt, tampered or mismatched."""
+
+
+# ------------------------------------------------------------------------------- safe metadata
+_ALLOWED = {
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Only DCP's metadata classes and torch's dtype/size constants may be constructed."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+class SafeReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError("checkpoint metadata is not DCP metadata")
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+# ------------------------------------------------------------------------------- finding them
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def complete_checkpoints(run_dir: Path, warn: bool = True) -> list[tuple[int, Path]]:
+    """(step, path) of every published checkpoint, oldest first."""
+    root = checkpoint_root(run_dir)
+    found = []
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        m = STEP_DIR.match(path.name)
+        if m and (path / MANIFEST).is_file():
+            found.append((int(m.group(1)), path))
+        elif warn and path.name.startswith((".tmp-", "step_")):
+            print(f"dtlab: warning: ignoring incomplete checkpoint {path} (a save was interrupted)",
+                  file=sys.stderr)
+    return sorted(found)
+
+
+def latest(run_dir: Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+# ------------------------------------------------------------------------------------ manifest
+def sha256(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint, after checking that every file is there and unchanged."""
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint '{path}' not found; fix: pass a checkpoint directory "
+                              "(RUN_DIR/checkpoints/step_NNNNNN), resume=auto or resume=none")
+    if not manifest_path.is_file():
+        raise CheckpointError(f"'{path}' is not a complete dtlab checkpoint (no {MANIFEST}); "
+                              "fix: use a checkpoint written by dtlab train")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except ValueError:
+        raise CheckpointError(f"{manifest_path} is not valid JSON: the checkpoint is corrupt") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"'{path}' is not a {FORMAT} checkpoint")
+    for name, info in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint '{path}' is missing {name}; it is incomplete")
+        if file.stat().st_size != info["bytes"]:
+            raise CheckpointError(
+                f"checkpoint '{path}': {name} has {file.stat().st_size} bytes, the manifest says "
+                f"{info['bytes']}: it is truncated or was modified")
+        if sha256(file) != info["sha256"]:
+            raise CheckpointError(
+                f"checkpoint '{path}': {name} fails its sha256 check: it was modified or corrupted")
+    return manifest
+
+
+def check_compatible(manifest: dict[str, Any], config: dict[str, Any], path: Path) -> None:
+    """Refuse what would not continue the same training: another model, optimizer or data order."""
+    saved = manifest["config"]
+    checks = [("model", None), ("train", "optimizer"), ("train", "global_batch_size"),
+              ("train", "grad_accum_steps"), ("seed", None), ("data", "name"), ("data", "synthetic"),
+              ("data", "train_limit")]
+    for section, key in checks:
+        a = saved.get(section) if key is None else saved.get(section, {}).get(key)
+        b = config.get(section) if key is None else config.get(section, {}).get(key)
+        if a != b:
+            what = section if key is None else f"{section}.{key}"
+            detail = _first_difference(a, b, what)
+            raise CheckpointError(
+                f"checkpoint '{path}' does not match this run: {detail}; fix: resume with the "
+                "config it was written with, or start over with resume=none")
+
+
+def _first_difference(a: Any, b: Any, key: str) -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                return _first_difference(a.get(k), b.get(k), f"{key}.{k}")
+    return f"{key} is {a!r} in the checkpoint, {b!r} here"
+
+
+# ---------------------------------------------------------------------------------- save/load
+def _rng_state(device: torch.device) -> dict[str, str]:
+    state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if device.type == "cuda":
+        cuda = torch.cuda.get_rng_state(device)
+        state["cuda"] = base64.b64encode(cuda.numpy().tobytes()).decode()
+    return state
+
+
+def _set_rng_state(state: dict[str, str], device: torch.device) -> None:
+    def tensor(text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+    torch.set_rng_state(tensor(state["cpu"]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(tensor(state["cuda"]), device)
+
+
+def save(run_dir: Path, step: int, tensors: dict[str, Any], manifest: dict[str, Any], ctx: Any,
+         keep: int, fault: Any = None) -> Path:
+    """Write a checkpoint for `step` on every rank, publish it atomically, keep the last `keep`."""
+    root = checkpoint_root(run_dir)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp-{final.name}"
+    if ctx.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-*"):  # an earlier save that was interrupted
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    ctx.barrier()
+    with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(tensors, checkpoint_id=str(tmp))
+    (tmp / f"rng_rank{ctx.rank}.json").write_text(json.dumps(_rng_state(ctx.device)))
+    if fault is not None:
+        fault.during_save(step)  # tests: kill -9 here, before anything is published
+    ctx.barrier()
+    if ctx.is_main:
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
+                 for p in sorted(tmp.iterdir()) if p.is_file()}
+        body = {"format": FORMAT, "step": step, "world_size": ctx.world_size, "files": files,
+                "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "torch_version": torch.__version__, **manifest}
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(body, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # the same step saved again after a restart
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # the publication: one atomic rename
+        for _, old in complete_checkpoints(run_dir, warn=False)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    ctx.barrier()
+    return final
+
+
+def _dcp_load(tensors: dict[str, Any], path: Path) -> None:
+    """dcp.load with its failures turned into one-line CheckpointErrors (DCP wraps the errors of
+    each rank into its own exception type, so they are recognised by their text)."""
+    try:  # read the metadata ourselves first: DCP would log a refusal with a traceback and retry
+        SafeReader(str(path)).read_metadata()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint '{path}': refused metadata ({e})") from None
+    try:
+        with warnings.catch_warnings():  # one process: "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(tensors, storage_reader=SafeReader(str(path)))
+    except Exception as e:  # noqa: BLE001 - any failure here means: this checkpoint cannot be used
+        text = str(e)
+        refused = re.search(r"[\w.]+ is not allowed in checkpoint metadata", text)
+        if refused:
+            raise CheckpointError(f"checkpoint '{path}': refused metadata ({refused.group()})") from None
+        first = next((x.strip() for x in text.splitlines() if x.strip()), type(e).__name__)[:300]
+        raise CheckpointError(f"checkpoint '{path}' cannot be loaded into this model: {first}") from None
+
+
+def load(path: Path, tensors: dict[str, Any], config: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """Verify, check compatibility, then fill `tensors` in place; returns the manifest."""
+    manifest = read_manifest(path)
+    check_compatible(manifest, config, path)
+    _dcp_load(tensors, path)
+    rng = Path(path) / f"rng_rank{ctx.rank}.json"
+    if rng.is_file() and manifest["world_size"] == ctx.world_size:
+        _set_rng_state(json.loads(rng.read_text()), ctx.device)
+    return manifest
+
+
+def export(path: Path, out: Path) -> Path:
+    """The full (unsharded) model of a checkpoint as one safetensors file, in one process."""
+    from safetensors.torch import save_file
+
+    from dtlab.config import Config
+    from dtlab.data import spec_for
+    from dtlab.models import build_model
+
+    manifest = read_manifest(path)
+    cfg = Config.model_validate(manifest["config"])
+    model = build_model(cfg.model, spec_for(cfg))
+    state = model.state_dict()
+    _dcp_load({"model": state}, path)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(out))
+    return out

@@ -1,0 +1,43 @@
+"""Injected faults (`run.fault`), to test that dtlab loses nothing but the steps since the last
+checkpoint and never hangs. A fault fires once: on one rank, in the launcher's first attempt
+(torch elastic's restarts run clean), at the first opportunity from `step` on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from dtlab.config import FaultConfig
+
+
+class Fault:
+    def __init__(self, cfg: FaultConfig, rank: int) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.kind = cfg.kind if (cfg.kind != "none" and rank == cfg.rank and first_attempt) else "none"
+        self.step = cfg.step
+
+    def before_step(self, step: int) -> None:
+        if self.kind == "none" or step < self.step:
+            return
+        if self.kind == "kill":  # kill -9: no cleanup, no message, like an OOM kill
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "exit":  # the process ends abruptly (no cleanup)
+            print(f"dtlab: injected fault: exiting at step {step}", file=sys.stderr, flush=True)
+            os._exit(17)
+        if self.kind == "hang":  # stops taking part in collectives, stays alive
+            print(f"dtlab: injected fault: hanging at step {step}", file=sys.stderr, flush=True)
+            while True:
+                time.sleep(3600)
+
+    def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        if self.kind == "nan" and step == self.step:
+            return loss * float("nan")
+        return loss
+
+    def during_save(self, step: int) -> None:
+        if self.kind == "kill_in_save" and step >= self.step:
+            os.kill(os.getpid(), signal.SIGKILL)

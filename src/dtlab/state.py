@@ -1,0 +1,55 @@
+"""What a checkpoint holds for a training run, and putting it back (see checkpoint.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+from dtlab import checkpoint
+from dtlab.config import Config
+from dtlab.distributed import DistContext
+from dtlab.strategies import Strategy
+
+
+def resume_path(cfg: Config, run_dir: Path, warn: bool = True) -> Path | None:
+    if cfg.resume == "none":
+        return None
+    if cfg.resume == "auto":
+        found = checkpoint.complete_checkpoints(run_dir, warn=warn)
+        return found[-1][1] if found else None
+    return Path(cfg.resume)
+
+
+def save(cfg: Config, ctx: DistContext, strategy: Strategy, model: nn.Module,
+         optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, step: int, epoch: int,
+         n_params: int, fault: Any) -> Path:
+    model_sd, optim_sd = strategy.state_dict(model, optimizer, full=False)  # local shards
+    manifest = {
+        "epoch": epoch, "strategy": cfg.strategy.name, "n_params": n_params,
+        "config": cfg.model_dump(mode="json"),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "param_groups": optim_sd["param_groups"],  # hyper-parameters: JSON, not pickle
+    }
+    tensors = {"model": model_sd, "optim": optim_sd["state"]}
+    return checkpoint.save(Path(cfg.run.dir), step, tensors, manifest, ctx,
+                           cfg.train.keep_checkpoints, fault)
+
+
+def load(path: Path, cfg: Config, ctx: DistContext, strategy: Strategy, model: nn.Module,
+         optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any) -> dict[str, Any]:
+    """Restore model, optimizer, schedule, scaler and RNG; returns the checkpoint's manifest."""
+    model_sd, optim_sd = strategy.state_dict(model, optimizer, full=False)  # shapes to fill
+    tensors = {"model": model_sd, "optim": optim_sd["state"]}
+    manifest = checkpoint.load(path, tensors, cfg.model_dump(mode="json"), ctx)
+    set_state_dict(model, optimizer, model_state_dict=tensors["model"],
+                   optim_state_dict={"state": tensors["optim"], "param_groups": manifest["param_groups"]},
+                   options=StateDictOptions(full_state_dict=False))
+    scheduler.load_state_dict(manifest["scheduler"])
+    if scaler is not None and manifest.get("scaler"):
+        scaler.load_state_dict(manifest["scaler"])
+    return manifest

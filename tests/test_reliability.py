@@ -1,0 +1,204 @@
+"""Checkpoints, resume, restarts, hangs, non-finite losses, resharding, two nodes (CPU, gloo)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, cli, free_port, step_losses, train
+from safetensors.torch import load_file
+
+from dtlab.checkpoint import MANIFEST, sha256
+
+STEPS = "train.max_steps=40"
+CKPT = ("train.checkpoint_every=10", "run.timeout_s=30")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(session_dir: Path) -> Path:
+    run = session_dir / "rel-uninterrupted"
+    train(run, "strategy.name=ddp", STEPS, *CKPT, nproc=2)
+    return run
+
+
+def run_fails(run: Path, *overrides: str, nproc: int = 2, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    proc = cli("train", "--nproc-per-node", str(nproc), *extra, "strategy.name=ddp", STEPS, *CKPT,
+               *overrides, f"run.dir={run}", "run.log_every=1", "run.progress=false", timeout=300)
+    return proc
+
+
+def test_checkpoints_are_published_and_pruned(uninterrupted: Path) -> None:
+    kept = sorted(p.name for p in (uninterrupted / "checkpoints").iterdir())
+    assert kept == ["step_000030", "step_000040"]  # keep_checkpoints=2
+    manifest = json.loads((uninterrupted / "checkpoints" / "step_000040" / MANIFEST).read_text())
+    assert manifest["step"] == 40 and manifest["world_size"] == 2
+    assert {"__0_0.distcp", ".metadata", "rng_rank0.json", "rng_rank1.json"} <= set(manifest["files"])
+
+
+def test_stop_and_resume_mid_epoch_repeats_the_same_steps(uninterrupted: Path, session_dir: Path) -> None:
+    run = session_dir / "rel-stopped"
+    first = run_fails(run, "run.fault.kind=exit", "run.fault.step=25", "run.fault.rank=1")
+    assert first.returncode == 17, first.stderr[-2000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000010", "step_000020"]
+    summary = train(run, "strategy.name=ddp", STEPS, *CKPT, nproc=2)  # resume=auto
+    assert summary["resumed_from"]["step"] == 20  # mid-epoch: 64 steps per epoch
+    assert summary["resumed_from"]["lost_steps"] == 4  # steps 21-24 ran before the stop
+    ref, got = step_losses(uninterrupted), step_losses(run)
+    assert len(got) == 40 and max(abs(a - b) / abs(a) for a, b in zip(ref, got, strict=True)) < 1e-6
+
+
+def test_kill_9_under_elastic_restarts(uninterrupted: Path, session_dir: Path) -> None:
+    run = session_dir / "rel-killed"
+    proc = cli("train", "--nproc-per-node", "2", "--max-restarts", "3", "strategy.name=ddp", STEPS,
+               *CKPT, "run.fault.kind=kill", "run.fault.step=27", "run.fault.rank=1",
+               f"run.dir={run}", "run.log_every=1", "run.progress=false", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    # The kill at step 27 loses the steps since the checkpoint of step 20, no more.
+    assert summary["resumed_from"]["step"] == 20 and summary["resumed_from"]["lost_steps"] == 6
+    assert summary["final_train_loss"] == pytest.approx(
+        json.loads((uninterrupted / "summary.json").read_text())["final_train_loss"], rel=1e-6)
+    assert step_losses(run) == pytest.approx(step_losses(uninterrupted), rel=1e-6)
+
+
+def test_kill_9_during_a_save_keeps_the_previous_checkpoint(uninterrupted: Path, session_dir: Path) -> None:
+    run = session_dir / "rel-killed-in-save"
+    first = run_fails(run, "run.fault.kind=kill_in_save", "run.fault.step=20", "run.fault.rank=1")
+    assert first.returncode != 0
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == [".tmp-step_000020", "step_000010"]  # nothing half-written was published
+    proc = run_fails(run)  # resume=auto
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ignoring incomplete checkpoint" in proc.stderr
+    assert "resuming from" in proc.stderr and "step_000010 at step 10" in proc.stderr
+    assert step_losses(run) == pytest.approx(step_losses(uninterrupted), rel=1e-6)
+    assert not (run / "checkpoints" / ".tmp-step_000020").exists()  # cleaned by the next save
+
+
+def test_resharding_2_to_4_to_1_ranks_preserves_parameters(session_dir: Path) -> None:
+    base = ("train.max_steps=10", "train.checkpoint_every=10", "run.save_model=true")
+    a, b, c, d = (session_dir / f"rel-reshard-{x}" for x in "abcd")
+    train(a, "strategy.name=fsdp", *base, nproc=2)
+    train(b, "strategy.name=fsdp", *base, f"resume={a}/checkpoints/step_000010", nproc=4)
+    train(c, "strategy.name=single", *base, f"resume={b}/checkpoints/step_000010")
+    train(d, "strategy.name=ddp", *base, f"resume={a}/checkpoints/step_000010", nproc=2)
+    proc = cli("export", str(c / "checkpoints" / "step_000010"), "-o", str(c / "export.safetensors"))
+    assert proc.returncode == 0, proc.stderr
+    ref = load_file(str(a / "model.safetensors"))
+    for path in (b / "model.safetensors", c / "model.safetensors", d / "model.safetensors",
+                 c / "export.safetensors"):
+        got = load_file(str(path))
+        assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref), path
+
+
+def test_a_hung_rank_is_named_and_nothing_is_left(tmp_path: Path) -> None:
+    t0 = time.perf_counter()
+    proc = cli("train", "--nproc-per-node", "2", "strategy.name=ddp", "train.max_steps=20",
+               "run.timeout_s=8", "run.fault.kind=hang", "run.fault.step=5", "run.fault.rank=1",
+               f"run.dir={tmp_path}", "run.progress=false", timeout=120)
+    assert proc.returncode == 1
+    assert time.perf_counter() - t0 < 8 + 30 + 15  # timeout + 30 s, plus start-up
+    assert "a collective failed at step 5 on rank 0" in proc.stderr
+    assert "rank(s) [1] stopped taking part" in proc.stderr
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert left.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_non_finite_loss_stops_and_the_checkpoint_stays_good(tmp_path: Path, strategy: str) -> None:
+    nan = ("run.fault.kind=nan", "run.fault.step=12", "run.fault.rank=1", "train.checkpoint_every=5",
+           "train.max_steps=20", f"strategy.name={strategy}")
+    proc = cli("train", "--nproc-per-node", "2", *nan, f"run.dir={tmp_path / 'a'}",
+               "run.progress=false", timeout=120)
+    assert proc.returncode == 1 and "non-finite gradient (norm nan) at step 12" in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == [
+        "step_000005", "step_000010"]
+    assert cli("export", str(tmp_path / "a" / "checkpoints" / "step_000010"), "-o",
+               str(tmp_path / "m.safetensors")).returncode == 0
+    skipped = train(tmp_path / "b", *nan, "train.nan_policy=skip", nproc=2)
+    assert skipped["skipped_steps"] == 1 and skipped["steps"] == 20
+    assert torch.isfinite(torch.tensor(skipped["final_train_loss"]))
+
+
+def test_two_nodes_on_localhost_match_one_node(session_dir: Path) -> None:
+    opts = ("strategy.name=ddp", "train.max_steps=10", "run.threads=1", "run.log_every=1",
+            "run.progress=false")
+    one = session_dir / "rel-one-node"
+    train(one, *opts, nproc=2)
+    two = session_dir / "rel-two-nodes"
+    port = free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", "two-nodes", *opts, f"run.dir={two}"]
+    host = subprocess.Popen([sys.executable, "-m", "dtlab", "train", "--rdzv-conf", "is_host=true",
+                             *common], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    other = cli("train", *common, timeout=180)
+    host_out, host_err = host.communicate(timeout=180)
+    assert host.returncode == 0 and other.returncode == 0, (host_err[-2000:], other.stderr[-2000:])
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["nnodes"] == 2 and summary["world_size"] == 2
+    assert step_losses(two) == step_losses(one)
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(session_dir: Path) -> Path:
+    run = session_dir / "rel-good"
+    train(run, "train.max_steps=5", "train.checkpoint_every=5")
+    return run / "checkpoints" / "step_000005"
+
+
+def refused(tmp_path: Path, ckpt: Path, *overrides: str) -> str:
+    proc = cli("train", f"resume={ckpt}", "train.max_steps=5", f"run.dir={tmp_path / 'r'}",
+               *overrides, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def test_truncated_tampered_and_foreign_checkpoints_are_refused(good_checkpoint: Path, tmp_path: Path) -> None:
+    def copy(name: str) -> Path:
+        return Path(shutil.copytree(good_checkpoint, tmp_path / name))
+
+    truncated = copy("truncated")
+    shard = truncated / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert "__0_0.distcp has" in refused(tmp_path, truncated) and "truncated" in refused(tmp_path, truncated)
+
+    tampered = copy("tampered")
+    raw = bytearray((tampered / "__0_0.distcp").read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    (tampered / "__0_0.distcp").write_bytes(bytes(raw))
+    assert "fails its sha256 check" in refused(tmp_path, tampered)
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "weights.bin").write_bytes(b"\0" * 64)
+    assert "is not a complete dtlab checkpoint" in refused(tmp_path, foreign)
+    assert "not found" in refused(tmp_path, tmp_path / "absent")
+
+    other_model = refused(tmp_path, good_checkpoint, "model.channels=[8, 16]")
+    assert "model.channels is [16, 32] in the checkpoint, [8, 16] here" in other_model
+
+
+class _Exploit:
+    def __reduce__(self):  # what a malicious .metadata would carry
+        return (print, ("this must never run",))
+
+
+def test_a_malicious_metadata_pickle_is_never_executed(good_checkpoint: Path, tmp_path: Path) -> None:
+    evil = Path(shutil.copytree(good_checkpoint, tmp_path / "evil"))
+    (evil / ".metadata").write_bytes(pickle.dumps(_Exploit()))
+    manifest = json.loads((evil / MANIFEST).read_text())  # an attacker fixes the checksums too
+    manifest["files"][".metadata"] = {"bytes": (evil / ".metadata").stat().st_size,
+                                      "sha256": sha256(evil / ".metadata")}
+    (evil / MANIFEST).write_text(json.dumps(manifest))
+    message = refused(tmp_path, evil)
+    assert "refused metadata" in message and "is not allowed in checkpoint metadata" in message
+    proc = cli("export", str(evil), "-o", str(tmp_path / "x.safetensors"))
+    assert proc.returncode == 2 and "this must never run" not in proc.stdout + proc.stderr
