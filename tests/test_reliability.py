@@ -84,16 +84,17 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint(uninterrupted: Path,
 
 def test_resharding_2_to_4_to_1_ranks_preserves_parameters(session_dir: Path) -> None:
     base = ("train.max_steps=10", "train.checkpoint_every=10", "run.save_model=true")
-    a, b, c, d = (session_dir / f"rel-reshard-{x}" for x in "abcd")
+    a, b, c, d, e = (session_dir / f"rel-reshard-{x}" for x in "abcde")
     train(a, "strategy.name=fsdp", *base, nproc=2)
     train(b, "strategy.name=fsdp", *base, f"resume={a}/checkpoints/step_000010", nproc=4)
     train(c, "strategy.name=single", *base, f"resume={b}/checkpoints/step_000010")
     train(d, "strategy.name=ddp", *base, f"resume={a}/checkpoints/step_000010", nproc=2)
+    train(e, "strategy.name=fsdp1", *base, f"resume={a}/checkpoints/step_000010", nproc=2)
     proc = cli("export", str(c / "checkpoints" / "step_000010"), "-o", str(c / "export.safetensors"))
     assert proc.returncode == 0, proc.stderr
     ref = load_file(str(a / "model.safetensors"))
     for path in (b / "model.safetensors", c / "model.safetensors", d / "model.safetensors",
-                 c / "export.safetensors"):
+                 e / "model.safetensors", c / "export.safetensors"):
         got = load_file(str(path))
         assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref), path
 
@@ -138,7 +139,9 @@ def test_two_nodes_on_localhost_match_one_node(session_dir: Path) -> None:
               "--rdzv-id", "two-nodes", *opts, f"run.dir={two}"]
     host = subprocess.Popen([sys.executable, "-m", "dtlab", "train", "--rdzv-conf", "is_host=true",
                              *common], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    other = cli("train", *common, timeout=180)
+    # Both agents resolve 127.0.0.1 as their own host: without is_host=false the second one may
+    # bind the store port first, and the host then fails with RendezvousConnectionError.
+    other = cli("train", "--rdzv-conf", "is_host=false", *common, timeout=180)
     host_out, host_err = host.communicate(timeout=180)
     assert host.returncode == 0 and other.returncode == 0, (host_err[-2000:], other.stderr[-2000:])
     summary = json.loads((two / "summary.json").read_text())
