@@ -1,4 +1,4 @@
-"""One training step and one evaluation pass, shared by every strategy.
+"""One training step, shared by every strategy.
 
 Stepper: micro batches with gradient synchronisation on the last one only, the loss divided by
 the accumulation steps, loss scaling for fp16, clipping over all shards, a check that the loss and
@@ -15,10 +15,7 @@ import torch
 from torch import nn
 
 from dtlab.config import Config
-from dtlab.data import EvalLoader
-from dtlab.distributed import DistContext
 from dtlab.errors import RunError
-from dtlab.models import loss_fn
 from dtlab.strategies import Strategy
 
 
@@ -41,12 +38,7 @@ class Stepper:
         for i, (x, y) in enumerate(batches):
             local = not sync or i < len(batches) - 1
             with strategy.no_sync(self.model) if local else contextlib.nullcontext():
-                with strategy.autocast():
-                    loss = loss_fn(self.forward(x), y) / t.grad_accum_steps
-                if self.fault is not None:
-                    loss = self.fault.loss(self.step_number, loss)
-                (scaler.scale(loss) if scaler else loss).backward()
-            step_loss += loss.detach()
+                step_loss += strategy.forward_backward(self.forward, x, y, self.loss_hook)
         if scaler:  # fp16: the scaler skips steps with inf/NaN gradients by itself
             if t.grad_clip:
                 scaler.unscale_(self.optimizer)
@@ -56,9 +48,16 @@ class Stepper:
         elif sync and not self.finite(self.grad_norm(), step_loss):
             self.optimizer.zero_grad(set_to_none=True)  # skip this step (nan_policy=skip)
         else:
-            self.optimizer.step()
+            strategy.optimizer_step(self.optimizer)
         self.scheduler.step()
         return step_loss
+
+    def loss_hook(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro batch's mean loss -> (its share of the step's loss, what to backpropagate)."""
+        loss = loss / self.t.grad_accum_steps
+        if self.fault is not None:
+            loss = self.fault.loss(self.step_number, loss)
+        return loss, (self.scaler.scale(loss) if self.scaler else loss)
 
     def grad_norm(self) -> torch.Tensor:
         """The global gradient norm (clipping, when on, computes it anyway). The same on every
@@ -78,24 +77,3 @@ class Stepper:
             f"non-finite gradient (norm {value}) at step {self.step_number}, this rank's loss "
             f"{float(step_loss):.6g}; the run stopped before applying it, so the last checkpoint "
             "is still good; fix: lower train.lr, use train.grad_clip, or train.nan_policy=skip")
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, loader: EvalLoader, strategy: Strategy, ctx: DistContext) -> dict:
-    """Validation loss and accuracy over every sample once, reduced across ranks as sums."""
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, count
-    for x, y, mask in loader:
-        with strategy.autocast():
-            logits = model(x)
-        weight = mask.view(-1, *[1] * (y.dim() - 1)).expand_as(y).double()
-        per_item = loss_fn(logits, y, reduction="none").view(y.shape)
-        totals += torch.stack([
-            (per_item.double() * weight).sum(),
-            ((logits.argmax(-1) == y).double() * weight).sum(),
-            weight.sum(),
-        ])
-    ctx.all_reduce_sum(totals)
-    model.train()
-    loss_sum, correct, count = totals.tolist()
-    return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_count": int(count)}

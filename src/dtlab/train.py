@@ -35,7 +35,7 @@ from dtlab.faults import Fault
 from dtlab.metrics import MetricsLog
 from dtlab.models import build_model, count_params
 from dtlab.optim import build_scheduler
-from dtlab.step import Stepper, evaluate
+from dtlab.step import Stepper
 from dtlab.strategies import build_strategy
 from dtlab.summary import comm_breakdown, save_model, summarize
 
@@ -58,8 +58,11 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache/dtlab/inductor"))
     forward = torch.compile(model) if t.compile else model
 
-    loader = TrainLoader(train_set, ctx.rank, ctx.world_size, micro, t.grad_accum_steps, cfg.seed)
-    val_loader = EvalLoader(val_set, ctx.rank, ctx.world_size, cfg.data.val_batch_size or micro)
+    # Batches are dealt to data-parallel replicas (all ranks of one replica see the same samples).
+    loader = TrainLoader(train_set, strategy.dp_rank, strategy.dp_size, micro, t.grad_accum_steps,
+                         cfg.seed)
+    val_loader = EvalLoader(val_set, strategy.dp_rank, strategy.dp_size,
+                            cfg.data.val_batch_size or micro)
     total_steps = t.max_steps or t.epochs * loader.steps_per_epoch
     scheduler = build_scheduler(optimizer, t, total_steps)
     fault = Fault(cfg.run.fault, ctx.rank)
@@ -111,7 +114,7 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
             data_times.append(data_time)
 
             if step % cfg.run.log_every == 0 or step == total_steps:
-                last_loss = ctx.all_reduce_sum(step_loss).item() / ctx.world_size
+                last_loss = strategy.mean_loss(step_loss)
                 record = {
                     "step": step, "epoch": epoch, "loss": last_loss, "lr": lr,
                     "step_time_s": step_time, "data_time_s": data_time,
@@ -126,12 +129,12 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
                 epoch_times.append(sum(step_times[-loader.steps_per_epoch:]))  # training only
             if (t.eval_every and step % t.eval_every == 0) or (not t.eval_every and end_of_epoch) \
                     or step == total_steps:
-                evals = {"step": step, "epoch": epoch, **evaluate(forward, val_loader, strategy, ctx)}
+                evals = {"step": step, "epoch": epoch, **strategy.evaluate(forward, val_loader)}
                 log.log(evals)
             if t.checkpoint_every and step % t.checkpoint_every == 0:
                 save_checkpoint(step)
         if not evals:  # resumed a finished run: evaluate what it left
-            evals = {"step": step, "epoch": epoch, **evaluate(forward, val_loader, strategy, ctx)}
+            evals = {"step": step, "epoch": epoch, **strategy.evaluate(forward, val_loader)}
             log.log(evals)
         if t.checkpoint_every and not (checkpoint.checkpoint_root(run_dir) / f"step_{step:06d}").is_dir():
             save_checkpoint(step)  # the end of the run (or of a resumed run, here in run.dir)

@@ -25,12 +25,14 @@ from dtlab.config.schema import (
     TrainConfig,
     check_environment,
     check_world,
+    data_parallel_size,
 )
 from dtlab.errors import ConfigError
 
 __all__ = [
     "SHARDING_STRATEGIES", "STRATEGIES", "CNNConfig", "Config", "ConfigError", "DataConfig", "FaultConfig",
     "GPTConfig", "ModelConfig", "ResNetConfig", "RunConfig", "StrategyConfig", "SyntheticConfig",
-    "TrainConfig", "apply_override", "check_environment", "check_world", "format_validation_error",
+    "TrainConfig", "apply_override", "check_environment", "check_world", "data_parallel_size",
+    "format_validation_error",
     "load_config", "parse_value", "read_yaml", "to_yaml", "valid_keys",
 ]

@@ -243,6 +243,11 @@ class Config(Section):
 
 
 # -------------------------------------------------------------------------------- world checks
+def data_parallel_size(cfg: Config, world_size: int) -> int:
+    """Replicas the global batch is split over: the ranks not spent on model parallelism."""
+    return world_size
+
+
 def check_world(cfg: Config, world_size: int, local_world_size: int | None = None) -> int:
     """Checks that need the number of ranks; returns the micro batch size per rank."""
     t, s = cfg.train, cfg.strategy
@@ -261,11 +266,13 @@ def check_world(cfg: Config, world_size: int, local_world_size: int | None = Non
             f"strategy.ddp.local_sgd_group_size={s.ddp.local_sgd_group_size} does not divide "
             f"world_size={world_size}; fix: choose a divisor"
         )
-    per_step = world_size * t.grad_accum_steps
+    dp = data_parallel_size(cfg, world_size)
+    per_step = dp * t.grad_accum_steps
     if t.global_batch_size < per_step or t.global_batch_size % per_step:
+        what = f"world_size({world_size})" if dp == world_size else f"data-parallel size({dp})"
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} must be a positive multiple of "
-            f"world_size({world_size}) x train.grad_accum_steps({t.grad_accum_steps}) = {per_step}; "
+            f"{what} x train.grad_accum_steps({t.grad_accum_steps}) = {per_step}; "
             f"fix: set train.global_batch_size to a multiple of {per_step}"
         )
     if s.name == "fsdp1" and s.fsdp1.sharding_strategy == "HYBRID_SHARD":

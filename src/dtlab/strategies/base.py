@@ -1,12 +1,18 @@
 """The strategy interface: everything the training loop needs to know about a parallelism.
 
 A strategy wraps the model, builds the optimizer over what the wrapped model holds (its shards),
-controls gradient synchronisation for accumulation micro steps, clips gradients correctly for its
-layout, picks the autocast/grad-scaler pair for the precision, and produces state dicts.
+says which data-parallel replica this rank belongs to (the data loaders deal batches by it), runs
+one micro batch's forward and backward, controls gradient synchronisation for accumulation micro
+steps, clips gradients correctly for its layout, picks the autocast/grad-scaler pair for the
+precision, reduces metrics over the replicas, evaluates, and produces state dicts.
+
+The defaults below serve the data-parallel strategies (every rank is its own replica); tensor and
+pipeline parallelism, and engines with their own backward (DeepSpeed), override what differs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -19,8 +25,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dtlab.config import Config
+from dtlab.data import EvalLoader
 from dtlab.distributed import DistContext
+from dtlab.models import loss_fn
 from dtlab.optim import build_optimizer
+
+# Called on each micro batch's loss: returns (the loss to report, the tensor to backpropagate),
+# after dividing by the accumulation steps, injecting test faults and scaling for fp16.
+LossHook = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -41,6 +53,17 @@ class Strategy:
         self.cfg, self.ctx = cfg, ctx
         self.precision = cfg.train.precision
 
+    # --- which data this rank trains on -----------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel replica: ranks of one replica see the same samples."""
+        return self.ctx.rank
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas (the global batch is split over these)."""
+        return self.ctx.world_size
+
     # --- model and optimizer -------------------------------------------------------------
     def prepare(self, model: nn.Module) -> nn.Module:
         """Steps common to all strategies: SyncBatchNorm if asked, move to the device."""
@@ -58,6 +81,17 @@ class Strategy:
         return build_optimizer(model.parameters(), self.cfg.train)
 
     # --- the step ------------------------------------------------------------------------
+    def forward_backward(self, forward: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                         loss_hook: LossHook) -> torch.Tensor:
+        """One micro batch: forward, loss, backward. Returns this rank's loss (detached)."""
+        with self.autocast():
+            report, root = loss_hook(loss_fn(forward(x), y))
+        root.backward()
+        return report.detach()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         """Context for accumulation micro steps whose gradients must not be synchronised yet."""
         return nullcontext()
@@ -83,6 +117,29 @@ class Strategy:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
 
+    # --- metrics and evaluation ------------------------------------------------------------
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel replicas, in place (one copy of each replica's value)."""
+        return self.ctx.all_reduce_sum(tensor)
+
+    def mean_loss(self, step_loss: torch.Tensor) -> float:
+        """The step's loss over the global batch, from each replica's mean (for logging)."""
+        return self.reduce_sum(step_loss.clone()).item() / self.dp_size
+
+    @torch.no_grad()
+    def evaluate(self, forward: nn.Module, loader: EvalLoader) -> dict[str, Any]:
+        """Validation loss and accuracy over every sample once, reduced across replicas as sums."""
+        forward.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # loss, correct, count
+        for x, y, mask in loader:
+            with self.autocast():
+                logits = forward(x)
+            totals += eval_totals(logits, y, mask)
+        self.reduce_sum(totals)
+        forward.train()
+        loss_sum, correct, count = totals.tolist()
+        return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_count": int(count)}
+
     # --- state ---------------------------------------------------------------------------
     def state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, full: bool = True
@@ -100,3 +157,14 @@ class Strategy:
     def describe(self) -> dict[str, Any]:
         """The options that define this strategy's behaviour, for summary.json."""
         return {}
+
+
+def eval_totals(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(loss sum, correct, count) of one evaluation batch; padding samples (mask 0) count nothing."""
+    weight = mask.view(-1, *[1] * (y.dim() - 1)).expand_as(y).double()
+    per_item = loss_fn(logits, y, reduction="none").view(y.shape)
+    return torch.stack([
+        (per_item.double() * weight).sum(),
+        ((logits.argmax(-1) == y).double() * weight).sum(),
+        weight.sum(),
+    ])
