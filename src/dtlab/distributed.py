@@ -223,8 +223,10 @@ def distributed(
     threads: int = 0,
     need_group: bool = False,
     env: DistEnv | None = None,
+    destroy: bool = True,
 ) -> Iterator[DistContext]:
-    """Initialise the process group (when several ranks, or `need_group`) and always destroy it."""
+    """Initialise the process group (when several ranks, or `need_group`) and always destroy it
+    (`destroy=False` only for lab.no_destroy_process_group, to measure what skipping it costs)."""
     env = env or detect_env()
     dev = pick_device(device, env.local_rank)
     n_threads = threads or max(1, cpus_available() // env.local_world_size)
@@ -269,7 +271,7 @@ def distributed(
                 )
         yield DistContext(env=env, device=dev, backend=group_backend, threads=n_threads)
     finally:
-        if dist.is_available() and dist.is_initialized():
+        if destroy and dist.is_available() and dist.is_initialized():
             # Reference cycles (FSDP state, device meshes) keep process groups alive past
             # destroy_process_group(); a gloo worker thread then frees its last work object while
             # the interpreter shuts down and aborts the process ("terminate called without an

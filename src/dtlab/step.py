@@ -26,6 +26,7 @@ class Stepper:
                  optimizer: torch.optim.Optimizer, scheduler: Any, device: torch.device,
                  fault: Any = None) -> None:
         self.t, self.strategy, self.model, self.forward = cfg.train, strategy, model, forward
+        self.lab = cfg.lab
         self.optimizer, self.scheduler, self.device = optimizer, scheduler, device
         self.scaler = strategy.grad_scaler()
         self.fault, self.step_number, self.skipped = fault, 0, 0
@@ -33,10 +34,11 @@ class Stepper:
     def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], sync: bool = True) -> torch.Tensor:
         t, strategy, scaler = self.t, self.strategy, self.scaler
         self.step_number += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        if not self.lab.no_zero_grad:
+            self.optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(batches):
-            local = not sync or i < len(batches) - 1
+            local = not sync or (i < len(batches) - 1 and not self.lab.sync_every_micro_step)
             with strategy.no_sync(self.model) if local else contextlib.nullcontext():
                 step_loss += strategy.forward_backward(self.forward, x, y, self.loss_hook)
         if scaler:  # fp16: the scaler skips steps with inf/NaN gradients by itself
@@ -54,7 +56,8 @@ class Stepper:
 
     def loss_hook(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A micro batch's mean loss -> (its share of the step's loss, what to backpropagate)."""
-        loss = loss / self.t.grad_accum_steps
+        if not self.lab.no_loss_division:
+            loss = loss / self.t.grad_accum_steps
         if self.fault is not None:
             loss = self.fault.loss(self.step_number, loss)
         return loss, (self.scaler.scale(loss) if self.scaler else loss)

@@ -28,7 +28,7 @@ from dtlab.config import (
     load_config,
     to_yaml,
 )
-from dtlab.data import EvalLoader, TrainLoader, build_datasets
+from dtlab.data import EvalLoader, SampleUsage, TrainLoader, build_datasets
 from dtlab.distributed import DistContext, detect_env, distributed, is_comm_failure, who_stopped
 from dtlab.errors import DtlabError, PeerError, RunError
 from dtlab.faults import Fault
@@ -47,7 +47,8 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     micro = check_world(cfg, ctx.world_size, ctx.env.local_world_size)
 
     train_set, val_set, spec = build_datasets(cfg, ctx)
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank, for every strategy
+    # Identical initial weights on every rank, for every strategy (unless the lab switch breaks it).
+    torch.manual_seed(cfg.seed + (ctx.rank if cfg.lab.per_rank_init_seed else 0))
     model = build_model(cfg.model, spec)
     n_params = count_params(model)
     strategy = build_strategy(cfg, ctx)
@@ -58,11 +59,13 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache/dtlab/inductor"))
     forward = torch.compile(model) if t.compile else model
 
-    # Batches are dealt to data-parallel replicas (all ranks of one replica see the same samples).
-    loader = TrainLoader(train_set, strategy.dp_rank, strategy.dp_size, micro, t.grad_accum_steps,
-                         cfg.seed)
+    # Batches are dealt to data-parallel replicas (all ranks of one replica see the same samples);
+    # without a distributed sampler every rank draws the whole data set's batches itself.
+    dp_rank, dp_size = (0, 1) if cfg.lab.no_distributed_sampler else (strategy.dp_rank, strategy.dp_size)
+    loader = TrainLoader(train_set, dp_rank, dp_size, micro, t.grad_accum_steps, cfg.seed)
     val_loader = EvalLoader(val_set, strategy.dp_rank, strategy.dp_size,
-                            cfg.data.val_batch_size or micro)
+                            cfg.data.val_batch_size or micro, pad=not cfg.lab.uneven_eval)
+    usage = SampleUsage(len(train_set)) if cfg.run.track_samples else None
     total_steps = t.max_steps or t.epochs * loader.steps_per_epoch
     scheduler = build_scheduler(optimizer, t, total_steps)
     fault = Fault(cfg.run.fault, ctx.rank)
@@ -105,6 +108,8 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
             t0 = time.perf_counter()
             lr = scheduler.get_last_lr()[0]
             batches = [train_set.batch(i) for i in step_idx]
+            if usage is not None:
+                usage.add(step_idx)
             ctx.synchronize()
             data_time = time.perf_counter() - t0
             step_loss = run_step(batches)
@@ -151,6 +156,8 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     summary["epoch_time_s"] = (statistics.median(epoch_times) if epoch_times
                                else (summary["median_step_time_s"] or 0) * loader.steps_per_epoch)
     summary["skipped_steps"] = run_step.skipped
+    if usage is not None:
+        summary["sample_usage"] = usage.summary(strategy)
     if path is not None:
         summary["resumed_from"] = {"path": str(path), "step": start, "lost_steps": log.lost_steps}
     if cfg.run.save_model:
@@ -179,7 +186,8 @@ def run(config: str | None, overrides: list[str]) -> int:
     try:
         r = cfg.run
         with distributed(r.device, r.backend, r.timeout_s, r.threads,
-                         need_group=cfg.strategy.name != "single", env=env) as ctx:
+                         need_group=cfg.strategy.name != "single", env=env,
+                         destroy=not cfg.lab.no_destroy_process_group) as ctx:
             train(cfg, ctx)
     except DtlabError as e:
         if not isinstance(e, PeerError):  # the rank that failed first-hand explains it

@@ -190,6 +190,19 @@ class FaultConfig(Section):
     rank: NonNegativeInt = 0
 
 
+class LabConfig(Section):
+    """Deliberate mistakes, each off by default: turn one on to measure what it costs
+    (docs/guide/ shows each with its numbers). Never use them for real training."""
+
+    no_distributed_sampler: bool = False  # every rank draws the same batches (duplicated samples)
+    no_zero_grad: bool = False  # gradients of earlier steps are never cleared
+    no_loss_division: bool = False  # accumulation sums micro-batch losses instead of averaging
+    sync_every_micro_step: bool = False  # gradients synchronised on every accumulation micro step
+    per_rank_init_seed: bool = False  # each rank initialises the model with its own seed
+    uneven_eval: bool = False  # evaluation without padding: ranks run different batch counts
+    no_destroy_process_group: bool = False  # exit without destroying the process group
+
+
 class RunConfig(Section):
     dir: str | None = None  # None = runs/<config name>-<strategy>
     log_every: PositiveInt = 10
@@ -205,6 +218,7 @@ class RunConfig(Section):
     profile_trace: bool = False  # with comm_breakdown: Chrome/Perfetto trace_rank<r>.json
     fault: FaultConfig = Field(default_factory=FaultConfig)
     tensorboard: bool = False
+    track_samples: bool = False  # count how often each training sample was used (summary.json)
 
 
 class Config(Section):
@@ -215,6 +229,7 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     strategy: StrategyConfig = Field(default_factory=StrategyConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    lab: LabConfig = Field(default_factory=LabConfig)
 
     @model_validator(mode="before")
     @classmethod

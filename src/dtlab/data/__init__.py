@@ -15,12 +15,14 @@ import torch
 from dtlab.config import Config
 from dtlab.data import cifar10, mnist, tokens
 from dtlab.data.arrays import ArrayDataset, TokenWindows, augmenter, normalizer
-from dtlab.data.loader import Dataset, EvalLoader, TrainLoader
+from dtlab.data.loader import Dataset, EvalLoader, SampleUsage, TrainLoader
 from dtlab.data.synthetic import synthetic_images, synthetic_tokens
 from dtlab.distributed import DistContext
 from dtlab.errors import DataError, PeerError
 
-__all__ = ["DataSpec", "Dataset", "EvalLoader", "TrainLoader", "build_datasets", "spec_for"]
+__all__ = [
+    "DataSpec", "Dataset", "EvalLoader", "SampleUsage", "TrainLoader", "build_datasets", "spec_for",
+]
 
 
 @dataclass(frozen=True)

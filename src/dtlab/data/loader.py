@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DistributedSampler
@@ -69,12 +69,13 @@ class TrainLoader:
 
 
 class EvalLoader:
-    def __init__(self, dataset: Dataset, rank: int, world_size: int, batch_size: int) -> None:
+    def __init__(self, dataset: Dataset, rank: int, world_size: int, batch_size: int,
+                 pad: bool = True) -> None:
         self.dataset, self.batch_size = dataset, batch_size
         n = len(dataset)
         per_rank = math.ceil(n / world_size)
         mine = torch.arange(rank, n, world_size)
-        pad = per_rank - len(mine)
+        pad = per_rank - len(mine) if pad else 0
         self.indices = torch.cat([mine, torch.zeros(pad, dtype=torch.long)])
         self.mask = torch.cat([torch.ones(len(mine)), torch.zeros(pad)])
 
@@ -83,3 +84,23 @@ class EvalLoader:
             idx = self.indices[start : start + self.batch_size]
             x, y = self.dataset.batch(idx)
             yield x, y, self.mask[start : start + self.batch_size].to(y.device)
+
+
+class SampleUsage:
+    """How often each training sample was used (run.track_samples): the evidence that every rank
+    trained on different samples, and that an epoch covered each sample once."""
+
+    def __init__(self, n_samples: int) -> None:
+        self.counts = torch.zeros(n_samples, dtype=torch.float64)
+
+    def add(self, step_idx: torch.Tensor) -> None:
+        self.counts.index_add_(0, step_idx.flatten().cpu(), torch.ones(step_idx.numel(), dtype=torch.float64))
+
+    def summary(self, strategy: Any) -> dict[str, int]:
+        """Counts summed over the data-parallel replicas (each replica's samples once)."""
+        counts = strategy.reduce_sum(self.counts.to(strategy.ctx.device)).cpu()
+        used = int((counts > 0).sum())
+        processed = int(counts.sum())
+        return {"dataset_samples": len(counts), "samples_processed": processed,
+                "unique_samples": used, "repeated_samples": processed - used,
+                "max_uses_of_one_sample": int(counts.max())}

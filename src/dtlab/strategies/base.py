@@ -135,10 +135,14 @@ class Strategy:
             with self.autocast():
                 logits = forward(x)
             totals += eval_totals(logits, y, mask)
+        # What each rank would report without the reduction: its own share of the samples.
+        own = self.ctx.gather_floats([totals[1].item() / max(totals[2].item(), 1), totals[2].item()])
         self.reduce_sum(totals)
         forward.train()
         loss_sum, correct, count = totals.tolist()
-        return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_count": int(count)}
+        return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_count": int(count),
+                "val_acc_own_samples_per_rank": [r[0] for r in own],
+                "val_count_own_samples_per_rank": [int(r[1]) for r in own]}
 
     # --- state ---------------------------------------------------------------------------
     def state_dict(
