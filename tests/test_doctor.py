@@ -15,7 +15,8 @@ from dtlab.doctor import Check
 from dtlab.doctor.environment import checks as env_checks
 from dtlab.doctor.environment import nccl_ifname_matches
 from dtlab.doctor.network import master_endpoint
-from dtlab.doctor.system import parse_topology, topology_from
+from dtlab.doctor.smoke import MARK, Mismatch, _expect, _report
+from dtlab.doctor.system import cudnn_version, parse_topology, topology_from
 
 # Launch variables of a surrounding job would change what the doctor checks; start from none.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -143,6 +144,20 @@ def test_master_endpoint_roles() -> None:
     assert master_endpoint({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"}).status == "fail"
 
 
+def test_rank_results_wrong_values_and_crashes() -> None:
+    try:
+        _expect("all_reduce", [2.0, 3.0], [3.0, 3.0])
+        raise AssertionError("a wrong value passed")
+    except Mismatch as e:
+        assert str(e) == "all_reduce gave [2.0, 3.0], expected [3.0, 3.0]"
+    _expect("broadcast", [0.0, 1.0], [0.0, 1.0])
+    assert _report(f"noise\n{MARK}{json.dumps({'rank': 1, 'ms': 0.5})}\n", 0) == {
+        "rank": 1, "ms": 0.5}
+    crashed = _report("loading\nSegmentation fault (core dumped)\n", -11)  # no result line
+    assert crashed["error"] == ("exited with code -11 without a result "
+                                "(Segmentation fault (core dumped))")
+
+
 def names(found: list[Check]) -> dict[str, str]:
     return {c.name: c.status for c in found}
 
@@ -212,3 +227,8 @@ def test_topology_parsing_and_the_sys_only_warning() -> None:
     assert topology_from(sys_only).status == "warn"
     one_gpu = "\tGPU0\tCPU Affinity\nGPU0\t X \t0-7\n"
     assert topology_from(one_gpu).status == "ok" and not parse_topology(one_gpu)
+
+
+def test_cudnn_version_encodings() -> None:
+    assert (cudnn_version(90100), cudnn_version(8902), cudnn_version(None)) == (
+        "9.1.0", "8.9.2", "not available")

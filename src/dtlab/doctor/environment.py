@@ -6,6 +6,7 @@ each rule can be tested without touching the process environment.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Mapping
 
@@ -40,9 +41,8 @@ def relevant(env: Mapping[str, str]) -> dict[str, str]:
 def checks(env: Mapping[str, str], nproc: int, cores: int | None = None, gpus: int | None = None,
            interfaces: list[str] | None = None) -> list[Check]:
     if cores is None:
-        from dtlab.distributed import cpus_available
-
-        cores = cpus_available()
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
     if gpus is None:
         try:
             import torch

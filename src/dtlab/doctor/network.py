@@ -33,6 +33,11 @@ def hostname(env: Mapping[str, str]) -> Check:
                     f"add '<this node's IP> {name}' to /etc/hosts, or export GLOO_SOCKET_IFNAME")
     found = f"{name} -> {', '.join(addrs)}"
     if not all(is_loopback(a) for a in addrs):
+        if not any(_is_local(a) for a in addrs):
+            return warn("hostname", f"{found}, not an address of this host",
+                        "a stale /etc/hosts or DNS entry; gloo then falls back to loopback, which "
+                        "works on one node only", f"fix the entry for {name}, or export "
+                        "GLOO_SOCKET_IFNAME=<interface>", addresses=addrs)
         return ok("hostname", found, addresses=addrs)
     master = env.get("MASTER_ADDR", "")
     if master and _is_remote(master) and "GLOO_SOCKET_IFNAME" not in env:

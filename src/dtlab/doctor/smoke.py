@@ -76,7 +76,7 @@ def run(backend: str, world: int, timeout_s: float) -> Check:
                     "rerun with TORCH_CPP_LOG_LEVEL=INFO (and NCCL_DEBUG=INFO for nccl) to see "
                     "where it waits; --timeout S on a slow machine", pids=pids, killed=killed)
     if errors:
-        mismatch = any("expected" in e for e in errors)
+        mismatch = any(rep.get("mismatch") for rep in reports.values())
         return fail(name, f"{backend}, {world} ranks: {'; '.join(errors)}",
                     "the backend returned wrong values: a broken build or faulty hardware"
                     if mismatch else "the ranks could not set up or run collectives: see the "
@@ -200,6 +200,7 @@ def main(argv: list[str]) -> int:
             dist.destroy_process_group()
     except Exception as e:  # reported by the parent as one line  # noqa: BLE001
         report["error"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        report["mismatch"] = isinstance(e, Mismatch)
     print(MARK + json.dumps(report), flush=True)
     return 0 if "error" not in report else 1
 

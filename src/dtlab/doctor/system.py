@@ -36,7 +36,7 @@ def torch_build(torch) -> Check:  # noqa: ANN001 (the module)
         build = f"ROCm {torch.version.hip} build"
     elif torch.version.cuda:
         cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-        build = f"CUDA {torch.version.cuda} build, cuDNN {cudnn or 'not available'}"
+        build = f"CUDA {torch.version.cuda} build, cuDNN {cudnn_version(cudnn)}"
     else:
         build = "CPU build (no CUDA, no ROCm)"
     found = f"{version}, {build}"
@@ -53,6 +53,14 @@ def torch_build(torch) -> Check:  # noqa: ANN001 (the module)
                     f"pip install torch=={version.split('+')[0]} from the CUDA wheel index "
                     "(https://download.pytorch.org/whl/cuXXX)", build=build, version=version)
     return ok("torch", found, build=build, version=version)
+
+
+def cudnn_version(v: int | None) -> str:
+    """cuDNN encodes 9.1.0 as 90100 but 8.9.2 as 8902."""
+    if not v:
+        return "not available"
+    major, rest = (v // 10000, v % 10000) if v >= 10000 else (v // 1000, v % 1000)
+    return f"{major}.{rest // 100}.{rest % 100}"
 
 
 def backends(torch) -> Check:  # noqa: ANN001
