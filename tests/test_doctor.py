@@ -232,3 +232,9 @@ def test_topology_parsing_and_the_sys_only_warning() -> None:
 def test_cudnn_version_encodings() -> None:
     assert (cudnn_version(90100), cudnn_version(8902), cudnn_version(None)) == (
         "9.1.0", "8.9.2", "not available")
+
+
+def test_bad_arguments_are_one_line_and_exit_2() -> None:
+    proc = doctor("--timeout", "0")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "dtlab: error: --timeout 0 is not positive; fix: e.g. --timeout 60"], proc.stderr

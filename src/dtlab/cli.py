@@ -110,8 +110,10 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from dtlab.doctor import run_doctor
 
-    if args.timeout <= 0 or (args.nproc_per_node is not None and args.nproc_per_node < 1):
-        raise DtlabError("--timeout must be positive and --nproc-per-node at least 1")
+    if args.timeout <= 0:
+        raise DtlabError(f"--timeout {args.timeout:g} is not positive; fix: e.g. --timeout 60")
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise DtlabError("--nproc-per-node must be at least 1; fix: e.g. --nproc-per-node 2")
     return run_doctor(args.json, args.nproc_per_node, args.timeout, smoke=not args.no_smoke)
 
 

@@ -180,8 +180,7 @@ def collectives(rank: int, world: int, device) -> dict:  # noqa: ANN001 (torch.d
 
 
 def main(argv: list[str]) -> int:
-    backend, rank, world, port, timeout_s = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), \
-        float(argv[4])
+    backend, (rank, world, port), timeout_s = argv[0], map(int, argv[1:4]), float(argv[4])
     report: dict = {"rank": rank, "pid": os.getpid()}
     try:
         import torch
