@@ -1,4 +1,4 @@
-"""`dtlab` command line: train, compare, sweep, collect, plot, report, comm, export, config.
+"""`dtlab` command line: train, compare, sweep, collect, plot, report, comm, export, config, doctor.
 
 Bad input ends with one line on stderr and exit code 2. torch is imported only when work starts,
 so configuration mistakes are reported at once.
@@ -107,6 +107,16 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from dtlab.doctor import run_doctor
+
+    if args.timeout <= 0:
+        raise DtlabError(f"--timeout {args.timeout:g} is not positive; fix: e.g. --timeout 60")
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise DtlabError("--nproc-per-node must be at least 1; fix: e.g. --nproc-per-node 2")
+    return run_doctor(args.json, args.nproc_per_node, args.timeout, smoke=not args.no_smoke)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dtlab", description="A distributed-training lab for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -169,6 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys", action="store_true")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("doctor", help="check torch, backends, devices, environment, network and "
+                       "a 2-rank collective; each problem with its cause and fix (exit 1 on failure)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--nproc-per-node", type=int, metavar="N", help="ranks per node to check for "
+                   "(default: LOCAL_WORLD_SIZE, else one per GPU, else 2)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before the collective "
+                   "smoke test's ranks are killed (default 60)")
+    p.add_argument("--no-smoke", action="store_true", help="skip the collective smoke test")
+    p.set_defaults(func=cmd_doctor)
     return parser
 
 
