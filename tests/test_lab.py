@@ -20,7 +20,7 @@ def test_without_a_distributed_sampler_every_rank_repeats_the_same_samples(
     # whole set in micro batches of 32 (16 steps) and every sample is used once per rank.
     assert summary["steps"] == (16 if mistake else 8)
     assert usage == {"dataset_samples": 512, "samples_processed": 1024 if mistake else 512,
-                     "unique_samples": 512, "repeated_samples": 512 if mistake else 0,
+                     "unique_samples": 512, "min_uses_of_one_sample": 2 if mistake else 1,
                      "max_uses_of_one_sample": 2 if mistake else 1}
     own = summary["val_acc_own_samples_per_rank"]
     assert len(own) == 2 and sum(own) / 2 == pytest.approx(summary["val_acc"])  # 128 samples each

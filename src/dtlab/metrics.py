@@ -82,14 +82,21 @@ class MetricsLog:
         self.jsonl: TextIO | None = None
         self.bar = None
         self.tb = None
-        self.lost_steps = 0  # logged steps after the checkpoint we resume from: they run again
+        self.lost_steps = 0  # steps completed after the checkpoint we resume from: they run again
+        self.progress: TextIO | None = None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
         path = run_dir / "metrics.jsonl"
         kept = self._history(path, resume_step) if resume_step is not None else []
+        if resume_step is not None:
+            self.lost_steps = max(self.lost_steps, self._last_step(run_dir) - resume_step)
         self.jsonl = open(path, "w")  # noqa: SIM115 - closed in close()
+        # The last completed step, rewritten every step (not only every log_every steps), so that
+        # a resume knows exactly how many steps a failure cost. No fsync: the kernel keeps the
+        # write when the process is killed, which is the failure this is for.
+        self.progress = open(run_dir / "progress", "w")  # noqa: SIM115 - closed in close()
         self.jsonl.writelines(line + "\n" for line in kept)
         interactive = progress is True or (progress == "auto" and sys.stdout.isatty())
         if interactive:
@@ -134,9 +141,21 @@ class MetricsLog:
         if not quiet:
             self._print(metric_line(record))
 
-    def advance(self, steps: int, loss: float | None = None) -> None:
+    @staticmethod
+    def _last_step(run_dir: Path) -> int:
+        try:
+            return int((run_dir / "progress").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def advance(self, step: int, loss: float | None = None) -> None:
+        """Step `step` is done."""
+        if self.progress is not None:
+            self.progress.seek(0)
+            self.progress.write(f"{step:>12d}\n")
+            self.progress.flush()
         if self.bar is not None:
-            self.bar.update(steps)
+            self.bar.update(step - self.bar.n)
             if loss is not None:
                 self.bar.set_postfix(loss=f"{loss:.4f}")
 
@@ -153,8 +172,9 @@ class MetricsLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
+        for f in (self.jsonl, self.progress):
+            if f is not None:
+                f.close()
         if self.tb is not None:
             self.tb.close()
 

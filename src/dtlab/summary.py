@@ -34,14 +34,19 @@ def summarize(cfg: Config, ctx: DistContext, strategy: Strategy, spec: DataSpec,
     timed = step_times[warm:] or step_times  # warm-up steps (allocation, compilation) excluded
     stats = time_stats(timed)
     mem, state = peak_memory(ctx.device), state_bytes(model, optimizer)
-    per_rank = ctx.gather_floats([*mem.values(), *state.values()])
+    index = ctx.device.index if ctx.device.index is not None else -1
+    per_rank = ctx.gather_floats([*mem.values(), *state.values(), ctx.env.local_rank, index])
     keys = [*mem, *state]
+    # Where each rank ran: the local rank (its index on its node) picks the device.
+    layout = [{"local_rank": int(r[-2]), "device": f"{ctx.device.type}:{int(r[-1])}"
+               if r[-1] >= 0 else ctx.device.type} for r in per_rank]
     gb = cfg.train.global_batch_size
     summary: dict[str, Any] = {
         "strategy": cfg.strategy.name,
         "strategy_options": strategy.describe(),
         "world_size": ctx.world_size,
         "nnodes": ctx.env.nnodes,
+        "ranks": layout,
         "launcher": ctx.env.launcher,
         "backend": ctx.backend or "none",
         "device": ctx.device.type,

@@ -128,7 +128,7 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
                 if tokens_per_sample:
                     record["tokens_per_s"] = record["samples_per_s"] * tokens_per_sample
                 log.log(record, quiet=log.bar is not None)
-            log.advance(1, last_loss)
+            log.advance(step, last_loss)
             end_of_epoch = step % loader.steps_per_epoch == 0
             if end_of_epoch and len(step_times) >= loader.steps_per_epoch:
                 epoch_times.append(sum(step_times[-loader.steps_per_epoch:]))  # training only

@@ -213,6 +213,9 @@ def p2p_matrix(ctx: DistContext, nbytes: int, iters: int) -> dict[str, Any]:
 
 
 def write_outputs(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    for path in (args.json, args.csv):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     if args.csv:

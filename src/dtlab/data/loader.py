@@ -99,8 +99,7 @@ class SampleUsage:
     def summary(self, strategy: Any) -> dict[str, int]:
         """Counts summed over the data-parallel replicas (each replica's samples once)."""
         counts = strategy.reduce_sum(self.counts.to(strategy.ctx.device)).cpu()
-        used = int((counts > 0).sum())
-        processed = int(counts.sum())
-        return {"dataset_samples": len(counts), "samples_processed": processed,
-                "unique_samples": used, "repeated_samples": processed - used,
+        used = counts[counts > 0]
+        return {"dataset_samples": len(counts), "samples_processed": int(counts.sum()),
+                "unique_samples": len(used), "min_uses_of_one_sample": int(counts.min()),
                 "max_uses_of_one_sample": int(counts.max())}

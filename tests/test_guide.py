@@ -1,0 +1,176 @@
+"""The guide cannot rot: every command quoted in docs/guide/ runs here, as a reader would type it.
+
+Commands are the lines of ```bash blocks (a trailing backslash continues a line; `# exit N` at the
+end says the command is expected to fail with that code). Each chapter runs in its own directory
+holding the repository's configs/ and scripts/, so that relative paths work as in a fresh clone.
+After a chapter's commands, the numbers its text quotes are checked against what they produced
+(CHECKS below): a change in behaviour that makes the guide wrong fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, max_rel_dev, step_losses
+
+GUIDE = ROOT / "docs" / "guide"
+BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
+EXPECT = re.compile(r"\s+#\s*exit\s+(\d+)\s*$")
+
+
+def commands(chapter: Path) -> list[tuple[str, int]]:
+    """(command, expected exit code) for every command line of the chapter's bash blocks."""
+    found = []
+    for block in BLOCK.findall(chapter.read_text()):
+        block = block.replace("\\\n", " ")
+        for line in block.splitlines():
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            m = EXPECT.search(line)
+            code = int(m.group(1)) if m else 0
+            line = EXPECT.sub("", line) if m else re.sub(r"\s+#.*$", "", line)
+            found.append((line, code))
+    return found
+
+
+def summary(workdir: Path, run: str) -> dict:
+    return json.loads((workdir / run / "summary.json").read_text())
+
+
+# ------------------------------------------------------------------ what each chapter quotes
+def usage_and_acc(w: Path, run: str) -> tuple[dict, float, list[float]]:
+    s = summary(w, run)
+    return s.get("sample_usage"), round(s["val_acc"], 3), [round(a, 3) for a in
+                                                              s["val_acc_own_samples_per_rank"]]
+
+
+def check_ddp(w: Path, out: dict[str, str]) -> None:
+    runs = w / "runs/guide"
+    ref = step_losses(runs / "single")
+    assert ref[-1] == pytest.approx(0.891529, abs=1e-6)
+    assert step_losses(runs / "ddp") == step_losses(runs / "ddp-torchrun")
+    for run in ("ddp", "ddp4"):
+        assert max_rel_dev(step_losses(runs / run), ref) < 3e-7
+    used, acc, own = usage_and_acc(w, "runs/guide/ddp")
+    assert (used["samples_processed"], used["min_uses_of_one_sample"],
+            used["max_uses_of_one_sample"]) == (12288, 3, 3)
+    assert acc == 0.624 and own == [0.658, 0.590]
+    assert usage_and_acc(w, "runs/guide/ddp4")[2] == [0.637, 0.566, 0.680, 0.613]
+    used, _, _ = usage_and_acc(w, "runs/guide/ddp-no-sampler")
+    assert (used["samples_processed"], used["min_uses_of_one_sample"]) == (24576, 6)
+    assert summary(w, "runs/guide/ddp-no-sampler")["steps"] == 384
+    assert max_rel_dev(step_losses(runs / "ddp-no-sampler"), step_losses(runs / "single-b32")) < 1e-5
+    accs = {run: usage_and_acc(w, f"runs/guide/{run}")[1] for run in
+            ("ddp-b128", "ddp-b128-scaled", "ddp-b256", "ddp-b256-scaled")}
+    assert accs == {"ddp-b128": 0.207, "ddp-b128-scaled": 0.351, "ddp-b256": 0.108,
+                    "ddp-b256-scaled": 0.312}
+
+
+def output_of(out: dict[str, str], *parts: str) -> str:
+    """The output of the one command that contains every part."""
+    found = [text for cmd, text in out.items() if all(p in cmd for p in parts)]
+    assert len(found) == 1, parts
+    return found[0]
+
+
+def check_failure_modes(w: Path, out: dict[str, str]) -> None:
+    hang = output_of(out, "run.fault.kind=hang")
+    assert "a collective failed at step 5 on rank 0" in hang and "rank(s) [1] stopped" in hang
+    assert "steps lost since that checkpoint: 6" in output_of(out, "runs/guide/killed", "train.max_steps=40 train.checkpoint_every=10 run.dir")
+    restarted = summary(w, "runs/guide/restarted")
+    killed = summary(w, "runs/guide/killed")
+    assert restarted["final_train_loss"] == killed["final_train_loss"]
+    assert step_losses(w / "runs/guide/restarted") == step_losses(w / "runs/guide/killed")
+    assert "Received data size doesn't match expected size" in output_of(out, "lab.uneven_eval")
+    even = [json.loads(x) for x in (w / "runs/guide/even/metrics.jsonl").read_text().splitlines()]
+    assert [r["val_count"] for r in even if "val_count" in r] == [1025]
+    rows = {r["strategy"]: r for r in json.loads((w / "runs/guide/seeds/compare.json").read_text())}
+    assert float(rows["ddp"]["param_dev"]) < 1e-6 and float(rows["fsdp"]["param_dev"]) > 1.0
+    assert "non-finite gradient (norm inf) at step 56" in output_of(out, "lab.no_zero_grad")
+    assert "non-finite gradient (norm nan) at step 62" in output_of(out, "lab.no_loss_division")
+    once = summary(w, "runs/guide/accum")["comm_breakdown"]
+    every = summary(w, "runs/guide/accum-sync-every")["comm_breakdown"]
+    assert (once["calls_per_step"], once["payload_bytes_per_step"]) == (1, 547496)
+    assert (every["calls_per_step"], every["payload_bytes_per_step"]) == (4, 4 * 547496)
+    assert max_rel_dev(step_losses(w / "runs/guide/accum"),
+                       step_losses(w / "runs/guide/accum-sync-every")) < 1e-6
+
+
+def check_multi_node(w: Path, out: dict[str, str]) -> None:
+    runs = w / "runs/guide"
+    two = summary(w, "runs/guide/two-nodes")
+    assert (two["nnodes"], two["world_size"]) == (2, 4)
+    assert [r["local_rank"] for r in two["ranks"]] == [0, 1, 0, 1]
+    ref = step_losses(runs / "one-node")
+    assert ref[-1] == pytest.approx(2.305999, abs=1e-6)
+    for run, launcher in [("two-nodes", "torchrun"), ("slurm-srun", "slurm"),
+                          ("slurm-torchrun", "torchrun"), ("local2", "torchrun")]:
+        assert summary(w, f"runs/guide/{run}")["launcher"] == launcher
+        assert max_rel_dev(step_losses(runs / run), ref) < 1e-6, run
+    logs = "".join(p.read_text() for p in w.glob("dtlab-*.out"))
+    assert logs.count("rendezvous localhost:") == 2  # both sbatch scripts ran in this directory
+
+
+def check_communication(w: Path, out: dict[str, str]) -> None:
+    rows = json.loads((w / "runs/guide/comm.json").read_text())
+    sized = [r for r in rows if "size_bytes" in r]
+    assert len(sized) == 7 and all(r["oop"]["wrong"] == 0 and r["ip"]["wrong"] == 0 for r in sized)
+    assert "all_reduce of 26214400 B on 8 ranks" in output_of(out, "--fit")
+    compare = {r["strategy"]: r for r in
+               json.loads((w / "runs/guide/compare/compare.json").read_text())}
+    mib = 547496 / 2**20
+    assert compare["ddp"]["comm_mib_per_step"] == pytest.approx(mib, abs=1e-3)
+    assert compare["fsdp"]["comm_mib_per_step"] > 2.5 * mib
+    import csv
+
+    results = list(csv.DictReader((w / "runs/guide/sweep/results.csv").read_text().splitlines()))
+    assert len(results) == 9 and all(r["status"] == "done" for r in results)
+    state = {(r["series"], int(r["world_size"])): int(float(r["state_bytes"])) for r in results}
+    assert [state[("ddp", n)] for n in (1, 2, 4)] == [1642488] * 3
+    assert [state[("fsdp", n)] for n in (1, 2, 4)] == [1642488, 821244, 411012]
+    assert {round(float(r["val_acc"]), 3) for r in results} == {0.158}
+
+
+CHECKS: dict[str, Callable[[Path, dict[str, str]], None]] = {
+    "02-ddp.md": check_ddp,
+    "06-multi-node.md": check_multi_node,
+    "07-communication.md": check_communication,
+    "08-failure-modes.md": check_failure_modes,
+}
+
+
+# ------------------------------------------------------------------------------------ runner
+CHAPTERS = sorted(p.name for p in GUIDE.glob("[0-9][0-9]-*.md"))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_every_command_of_the_chapter_runs(chapter: str, tmp_path: Path) -> None:
+    for name in ("configs", "scripts", "benchmarks"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    outputs: dict[str, str] = {}
+    cmds = commands(GUIDE / chapter)
+    assert cmds, f"{chapter} quotes no command"
+    for cmd, expected in cmds:
+        proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=600)
+        outputs[cmd] = proc.stdout + proc.stderr
+        assert proc.returncode == expected, f"{cmd}\nexit {proc.returncode}\n{outputs[cmd][-3000:]}"
+    if chapter in CHECKS:
+        CHECKS[chapter](tmp_path, outputs)
+    shutil.rmtree(tmp_path / "runs", ignore_errors=True)
+
+
+def test_the_guide_has_chapters_and_checks() -> None:
+    assert len(CHAPTERS) >= 8, CHAPTERS
+    assert set(CHECKS) <= set(CHAPTERS)
