@@ -243,6 +243,15 @@ def test_communication_volume_matches_the_ring_formulas() -> None:
     assert traffic("zero3", units, n) == pytest.approx(analytic_bytes("fsdp", {}, 6e6, 4, 4, n))
     assert traffic("zero3", units, n, reshard_after_forward=False) == pytest.approx(
         analytic_bytes("fsdp1", {"sharding_strategy": "SHARD_GRAD_OP"}, 6e6, 4, 4, n))
+    # gloo runs each reduce-scatter as an all-reduce; FSDP1 gathers its root unit once
+    assert traffic("zero3", units, n, backend="gloo") == pytest.approx(
+        (n - 1) / n * 2 * p + 2 * (n - 1) / n * g)
+    root = 1e6
+    plan = memory.parse_plan("zero3", n)
+    fsdp1 = comm.collectives(plan, units, FP32, n, n, root=root, root_reshards=False)
+    fsdp2 = comm.collectives(plan, units, FP32, n, n, root=root)
+    assert sum(c.traffic for c in fsdp2) - sum(c.traffic for c in fsdp1) == pytest.approx(
+        (n - 1) / n * root * 4)
     # torch's ZeroRedundancyOptimizer: DDP's all-reduce, then each rank broadcasts its part
     torch_zero1 = traffic("zero1", units, n, torch_zero1=True)
     assert torch_zero1 == pytest.approx(2 * (n - 1) / n * g + p)
@@ -315,7 +324,7 @@ def test_advise_command_prints_the_numbers() -> None:
     proc = cli("advise", "--n-params", "7e9", "--seq-len", "4096", "--precision", "bf16",
                "--gpus", "8", "--gpu-memory", "40", "--bandwidth", "100")
     assert proc.returncode == 0, proc.stderr
-    assert "advice: zero3: 35.87 of 40.00 GB per GPU, headroom 4.13 GB (10%)" in proc.stdout
+    assert "advice: zero3 - 35.87 of 40.00 GB per GPU, headroom 4.13 GB (10%)" in proc.stdout
 
 
 # -------------------------------------------------------------------------------- bad input
@@ -357,3 +366,19 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str,
 def test_bad_input_through_the_real_command_has_no_traceback() -> None:
     proc = cli("estimate", "--n-params", "7e9", "--strategies", "zero9")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_config_estimate_reproduces_the_4_rank_measurements_of_strategies_md(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/strategies.md measured these on 4 ranks: fsdp 137,004 parameter bytes per rank
+    (136,484 of optimizer state on the last), fsdp1 136,876. quick.yaml says `single`: the
+    estimate splits its batch over the 4 ranks all the same."""
+    from dtlab.cli import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["estimate", "--config", "configs/quick.yaml", "--world-size", "4",
+                 "--strategies", "fsdp,fsdp1", "--json"]) == 0
+    rows = {r["strategy"]: r["per_rank"] for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert [r["param_bytes"] for r in rows["fsdp"]] == [137_004] * 4
+    assert rows["fsdp"][3]["optim_bytes"] == 136_484
+    assert [r["param_bytes"] for r in rows["fsdp1"]] == [136_876] * 4

@@ -5,6 +5,7 @@ segment a list of ops in forward order. Per op:
 
     saved     bytes of the tensors it keeps for backward that no earlier op keeps (a tensor kept
               by several ops is counted at the first, and freed after that op's backward)
+    casts     the part of `saved` that is autocast's 16-bit copies of weights
     grad_out  the gradient of its output, alive during its backward
     grad_in   the gradient it computes for its input (0 where nothing needs one)
     extra     other tensors alive during its backward: the gradient carried by a residual path,
@@ -14,7 +15,8 @@ saved activations = the sum of `saved` (the peak at the end of forward). The pea
 walks the ops in reverse: live = what is still saved + grad_out + grad_in + extra; an op's saved
 tensors are freed after its backward. With activation checkpointing (per block, non-reentrant), a
 block keeps only its input; its backward recomputes it, so its saved tensors exist again while it
-runs.
+runs. autocast caches its weight copies until the autocast region ends, after the loss: with
+checkpointing, the copies made in every block's forward are still alive at the end of forward.
 
 What is counted was read off autograd's saved tensors of each model (tests/test_estimate.py
 compares the two exactly). Three precisions: `fp32`; `autocast` (fp32 weights, 16-bit compute:
@@ -39,6 +41,7 @@ class Op:
     grad_out: float
     grad_in: float
     extra: float = 0.0
+    casts: float = 0.0
 
 
 @dataclass
@@ -63,7 +66,8 @@ class Activations:
 def walk(segments: list[Segment], checkpoint: bool) -> Activations:
     kept = {s.name: (s.input_bytes if checkpoint and s.block else s.saved) for s in segments}
     live = sum(kept.values())
-    peak = live
+    cached = sum(op.casts for s in segments if checkpoint and s.block for op in s.ops)
+    peak = live + cached  # the end of forward
     for seg in reversed(segments):
         if checkpoint and seg.block:
             live -= seg.input_bytes  # recomputing saves the input again, with everything else
@@ -102,19 +106,22 @@ def gpt_segments(n_layer: int, n_embd: int, n_head: int, seq: int, vocab: int, m
             Op("ln_1", r * th + stats, r * th, r * th, r * th),
             # q, k, v projections read the same normed input: autocast casts it once per consumer
             Op("qkv", (3 if cast else 1) * a * th + wc * 3 * h * h, 3 * a * th, r * th,
-               r * th + 4 * 3 * h * h),
+               r * th + 4 * 3 * h * h, wc * 3 * h * h),
             Op("attention", 4 * a * th + lse, a * th, 3 * a * th, r * th),  # q, k, v, out
-            Op("out_proj", wc * h * h, a * th, a * th, r * th + 4 * h * h),
+            Op("out_proj", wc * h * h, a * th, a * th, r * th + 4 * h * h, wc * h * h),
             Op("ln_2", r * th + stats, r * th, r * th, r * th),
-            Op("fc", a * th + wc * 4 * h * h, 4 * a * th, r * th, r * th + 4 * 4 * h * h),
+            Op("fc", a * th + wc * 4 * h * h, 4 * a * th, r * th, r * th + 4 * 4 * h * h,
+               wc * 4 * h * h),
             Op("gelu", 4 * a * th, 4 * a * th, 4 * a * th, r * th),
-            Op("proj", 4 * a * th + wc * 4 * h * h, a * th, 4 * a * th, r * th + 4 * 4 * h * h),
+            Op("proj", 4 * a * th + wc * 4 * h * h, a * th, 4 * a * th, r * th + 4 * 4 * h * h,
+               wc * 4 * h * h),
         ], input_bytes=r * th, block=True))
     positions = block_size or seq
     embed = Segment("embedding", [Op("embedding", 8 * seq, r * th, 0, 4 * (vocab + positions) * h)])
     head = Segment("head", [
         Op("ln_f", r * th + stats, r * th, r * th),
-        Op("lm_head", a * th + wc * vocab * h, a * tok * vocab, r * th, 4 * vocab * h),
+        Op("lm_head", a * th + wc * vocab * h, a * tok * vocab, r * th, 4 * vocab * h,
+           wc * vocab * h),
         # cross-entropy in fp32: log_softmax keeps its output (and nll_loss a scalar weight)
         Op("loss", 4 * tok * vocab + 4, 4 * tok * vocab, 4 * tok * vocab),
     ])
@@ -141,7 +148,7 @@ def cnn_segments(channels: list[int], hidden: int, in_channels: int, image_size:
         first = i == 0
         kept_input = (wc * x_in if first else a * x_in)
         ops = [Op("conv", kept_input + wc * w, a * x_out, 0 if first else a * x_in,
-                  4 * (w + (0 if batch_norm else c_out)))]
+                  4 * (w + (0 if batch_norm else c_out)), wc * w)]
         if batch_norm:
             ops.append(Op("batch_norm", a * x_out + bn * c_out, a * x_out, a * x_out, 8 * c_out))
         # GELU keeps its input, ReLU its output; average pooling keeps its input (GELU's output,
@@ -154,10 +161,11 @@ def cnn_segments(channels: list[int], hidden: int, in_channels: int, image_size:
     flat = channels[-1] * s * s
     segs.append(Segment("head", [
         Op("fc1", a * b * flat + wc * flat * hidden, a * b * hidden, a * b * flat,
-           4 * (flat + 1) * hidden),
+           4 * (flat + 1) * hidden, wc * flat * hidden),
         Op(activation, a * b * hidden, a * b * hidden, a * b * hidden),
         Op("fc2", (a * b * hidden if activation == "gelu" else 0) + wc * hidden * num_classes,
-           a * b * num_classes, a * b * hidden, 4 * (hidden + 1) * num_classes),
+           a * b * num_classes, a * b * hidden, 4 * (hidden + 1) * num_classes,
+           wc * hidden * num_classes),
         Op("loss", 4 * b * num_classes + 4, 4 * b * num_classes, 4 * b * num_classes),
     ], a * b * flat, block=True))
     return segs
@@ -190,13 +198,14 @@ def resnet_segments(widths: list[int], layout: tuple[int, ...], in_channels: int
             down = stride != 1 or c_in != c_out
             ops = []
             if down:  # autograd runs the shortcut's backward first: the main path's gradient waits
-                ops += [Op("shortcut_conv", wc * c_out * c_in, a * y, a * x_in, a * y + 4 * c_out * c_in),
+                ops += [Op("shortcut_conv", wc * c_out * c_in, a * y, a * x_in,
+                           a * y + 4 * c_out * c_in, wc * c_out * c_in),
                         Op("shortcut_bn", a * y + bn * c_out, a * y, a * y, a * y + 8 * c_out)]
             carry = a * x_in  # the gradient reaching the input through the shortcut
-            ops = [Op("conv1", a * x_in + wc * w1, a * y, a * x_in, carry + 4 * w1),
+            ops = [Op("conv1", a * x_in + wc * w1, a * y, a * x_in, carry + 4 * w1, wc * w1),
                    Op("bn1", a * y + bn * c_out, a * y, a * y, carry + 8 * c_out),
                    Op("relu1", a * y, a * y, a * y, carry),
-                   Op("conv2", wc * w2, a * y, a * y, carry + 4 * w2),
+                   Op("conv2", wc * w2, a * y, a * y, carry + 4 * w2, wc * w2),
                    Op("bn2", a * y + bn * c_out, a * y, a * y, carry + 8 * c_out),
                    *ops,
                    Op("relu", 0, a * y, a * y)]  # its output: the next block's input

@@ -47,9 +47,9 @@ def advise(make_setup: Callable[[bool], Setup], gpu_bytes: float, reserve: float
         row["fits"] = need <= gpu_bytes
         row["headroom"] = gpu_bytes - need
         if host_bytes is not None and row["host"]:
-            host_per_node = row["host"] * setup.ranks_per_node
-            row["host_per_node"] = host_per_node
-            row["fits"] = row["fits"] and host_per_node <= host_bytes
+            row["host_per_node"] = row["host"] * setup.ranks_per_node
+            row["host_fits"] = row["host_per_node"] <= host_bytes
+            row["fits"] = row["fits"] and row["host_fits"]
         rows.append(row)
     chosen = next((r for r in rows if r["fits"]), None)
     out: dict[str, Any] = {"candidates": rows, "gpu_bytes": gpu_bytes, "reserve": reserve}

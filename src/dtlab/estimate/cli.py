@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ TYPES: dict[str, Any] = {
     "inter_node_bandwidth": positive(float), "world_size": positive(int), "gpus": positive(int),
     "gpu_memory": positive(float), "host_memory": positive(float),
 }
-CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS}
+CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "backend": ("nccl", "gloo")}
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -106,6 +107,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--inter-node-bandwidth", metavar="GB/s")
     c.add_argument("--comm-results", metavar="FILE",
                    help="a dtlab comm --json/--csv file: times from its alpha-beta fit")
+    c.add_argument("--backend", help="nccl or gloo (gloo's reduce-scatter is an all-reduce); "
+                   "default nccl, --config: what its run would use")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("overrides", nargs="*", help="with --config: dotted overrides")
 
@@ -147,14 +150,17 @@ def build_setup(args: argparse.Namespace, world: int) -> Any:
             if getattr(args, flag) is not None:
                 raise DtlabError(f"--{flag.replace('_', '-')} with --config: the config decides; "
                                  f"fix: override it in the config, e.g. train.optimizer=adamw")
-        from dtlab.config import check_world
+        from dtlab.config import check_world, load_config
 
         model = model_from_config(args.config, args.overrides)
         cfg = model.cfg
+        if cfg.strategy.name == "single" and world > 1:  # the batch splits as with any replicas
+            cfg = load_config(args.config, [*args.overrides, "strategy.name=ddp"])
         micro = args.micro_batch or check_world(cfg, world, ranks_per_node)
-        from dtlab.estimate.core import precision_of
+        from dtlab.estimate.core import backend_of, precision_of
 
         precision, optimizer = precision_of(cfg), optimizer_of(cfg)
+        backend = args.backend or backend_of(cfg)
     else:
         if args.overrides:
             raise DtlabError(f"overrides {args.overrides} need --config; fix: remove them")
@@ -162,6 +168,7 @@ def build_setup(args: argparse.Namespace, world: int) -> Any:
                                 args.seq_len, args.vocab)
         micro = args.micro_batch or 1
         precision, optimizer = TABLE[args.precision or "fp32"], args.optimizer or "adamw"
+        backend = args.backend or "nccl"
     links = None
     if args.comm_results:
         links = load_comm_results(Path(args.comm_results))
@@ -171,7 +178,7 @@ def build_setup(args: argparse.Namespace, world: int) -> Any:
                       source=f"{args.bandwidth:g} GB/s per link" +
                              (f", {inter:g} GB/s between nodes" if inter else ""))
     return Setup(model, world, ranks_per_node, precision, optimizer, micro, args.checkpointing,
-                 links)
+                 links, backend)
 
 
 # ------------------------------------------------------------------------------------- output
@@ -240,7 +247,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     for note in setup.model.notes:
         print(f"  ({note})")
     print(table(display_rows(rows, scale), COLUMNS))
-    print(LEGEND.format(u=unit))
+    print(textwrap.fill(LEGEND.format(u=unit), 100))
     if setup.links:
         print(f"times from {setup.links.source}")
     exact = [r for r in rows if r.get("per_rank") and len({str(p) for p in r["per_rank"]}) > 1]
@@ -274,7 +281,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
         print(f"  ({note})")
     rows = result["candidates"]
     for r in rows:
-        r["fits_text"] = "yes" if r["fits"] else "no"
+        r["fits_text"] = "yes" if r["fits"] else "no (host)" if r.get("host_fits") is False else "no"
         r["headroom_text"] = f"{r['headroom'] / scale:+.2f}"
         if r["checkpointing"]:
             r["strategy"] += " +ckpt"
@@ -282,7 +289,9 @@ def cmd_advise(args: argparse.Namespace) -> int:
             ("total", "total"), ("host", "host"), ("fits_text", "fits"),
             ("headroom_text", "headroom"), ("comm", "comm/step"), ("time", "comm ms")]
     print(table(display_rows(rows, scale), cols))
-    print(f"per GPU, {unit}; headroom = memory - total" + (" - reserve" if args.reserve else ""))
+    print(f"per GPU, {unit}; headroom = memory - total" + (" - reserve" if args.reserve else "")
+          + ("; no (host): the offloaded state of a node's GPUs exceeds --host-memory"
+             if any(r.get("host_fits") is False for r in rows) else ""))
     rec = result["recommendation"]
     print(recommendation_text(rec, gpu, scale))
     return 0
@@ -290,13 +299,14 @@ def cmd_advise(args: argparse.Namespace) -> int:
 
 def recommendation_text(rec: dict[str, Any], gpu: float, scale: float) -> str:
     if rec.get("strategy") is None:
-        more = f" about {rec['gpus_needed']} GPUs would fit zero3." if rec.get("gpus_needed") else ""
-        return f"advice: nothing fits: {rec['why']}.{more}"
+        more = (f"; about {rec['gpus_needed']} GPUs would fit zero3 with activation checkpointing"
+                if rec.get("gpus_needed") else "")
+        return f"advice: nothing fits: {rec['why']}{more}."
     ckpt = " with activation checkpointing" if rec.get("checkpointing") else ""
     mp = f" and tensor parallelism {rec['model_parallel']}" if rec.get("model_parallel") else ""
     used, room = rec["per_gpu_bytes"], rec["headroom_bytes"]
-    return (f"advice: {rec['strategy']}{ckpt}{mp}: {used / scale:.2f} of {gpu / scale:.2f} GB per "
-            f"GPU, headroom {room / scale:.2f} GB ({100 * room / gpu:.0f}%). {rec['why']}.")
+    return (f"advice: {rec['strategy']}{ckpt}{mp} - {used / scale:.2f} of {gpu / scale:.2f} GB "
+            f"per GPU, headroom {room / scale:.2f} GB ({100 * room / gpu:.0f}%); {rec['why']}.")
 
 
 def setup_dict(setup: Any) -> dict[str, Any]:
@@ -304,4 +314,5 @@ def setup_dict(setup: Any) -> dict[str, Any]:
             "world_size": setup.world, "ranks_per_node": setup.ranks_per_node,
             "precision": setup.precision.name, "optimizer": setup.optimizer,
             "micro_batch": setup.micro, "checkpointing": setup.checkpointing,
+            "backend": setup.backend,
             "links": setup.links.source if setup.links else None, "notes": setup.model.notes}

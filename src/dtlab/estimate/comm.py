@@ -26,7 +26,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +64,26 @@ def buckets(total: float, first: float = DDP_FIRST_BUCKET_BYTES,
 
 def collectives(plan: Plan, units: list[float], precision: Precision, world: int,
                 ranks_per_node: int, reshard_after_forward: bool = True,
-                torch_zero1: bool = False) -> list[Collective]:
-    """The collectives of one step. `units`: parameter counts of the sharding units."""
-    n_params = sum(units)
+                torch_zero1: bool = False, backend: str = "nccl", root: float = 0.0,
+                root_reshards: bool = True) -> list[Collective]:
+    """The collectives of one step. `units`: parameter counts of the blocks (sharding units);
+    `root`: the parameters of the root unit, which FSDP1 keeps gathered from forward to backward
+    (`root_reshards=False`) and FSDP2 gathers again for backward.
+
+    gloo has no reduce-scatter of its own: torch runs it as an all-reduce of the whole buffer
+    (the profiler of a dtlab run shows `gloo:all_reduce` of each unit's unsharded gradients), so
+    on gloo a reduce-scatter costs an all-reduce's traffic, 2(n-1)/n S instead of (n-1)/n S."""
+    calls = _collectives(plan, units, precision, world, ranks_per_node, reshard_after_forward,
+                         torch_zero1, root, root_reshards)
+    if backend == "gloo":
+        calls = [replace(c, op="all_reduce") if c.op == "reduce_scatter" else c for c in calls]
+    return calls
+
+
+def _collectives(plan: Plan, units: list[float], precision: Precision, world: int,
+                 ranks_per_node: int, reshard_after_forward: bool, torch_zero1: bool,
+                 root: float, root_reshards: bool) -> list[Collective]:
+    n_params = sum(units) + root
     g_bytes = n_params * precision.reduce
     p_bytes = n_params * precision.weight  # zero1/2 all-gather the updated (stored) weights
     multi_node = world > ranks_per_node
@@ -82,9 +99,10 @@ def collectives(plan: Plan, units: list[float], precision: Precision, world: int
         return ([Collective("reduce_scatter", s, world, 1, multi_node) for s in buckets(g_bytes)]
                 + [Collective("all_gather", s, world, 1, multi_node) for s in buckets(p_bytes)])
     shards = plan.shards(world)
-    gathers = 2 if reshard_after_forward else 1
     out = []
-    for unit in units:
+    for i, unit in enumerate([*units, root] if root else units):
+        is_root = root and i == len(units)
+        gathers = 2 if reshard_after_forward and (root_reshards or not is_root) else 1
         out.append(Collective("all_gather", unit * precision.compute, shards, gathers,
                               shards > ranks_per_node))
         out.append(Collective("reduce_scatter", unit * precision.reduce, shards, 1,

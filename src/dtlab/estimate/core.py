@@ -77,6 +77,16 @@ def model_from_config(path: str | None, overrides: list[str]) -> Model:
                  cfg, (path, list(overrides)))
 
 
+def backend_of(cfg: Config) -> str:
+    """The backend a dtlab run of `cfg` would use (dtlab/distributed.py's choice)."""
+    import torch
+
+    if cfg.run.backend != "auto":
+        return cfg.run.backend
+    cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+    return "nccl" if cuda else "gloo"
+
+
 def optimizer_of(cfg: Config) -> str:
     t = cfg.train
     return "adamw" if t.optimizer == "adamw" else "sgd-momentum" if t.momentum > 0 else "sgd"
@@ -106,6 +116,7 @@ class Setup:
     micro: int = 1
     checkpointing: bool = False
     links: comm.Links | None = None
+    backend: str = "nccl"  # gloo runs reduce-scatter as an all-reduce (comm.collectives)
 
 
 def activation_mode(precision: Precision, wrapper_casts: bool) -> str:
@@ -152,8 +163,9 @@ def estimate(setup: Setup, token: str) -> dict[str, Any]:
         act = activations.walk(m.segments(setup.micro, mode), setup.checkpointing)
         row["activations"] = {"saved": act.saved, "peak": act.peak, "mode": mode}
     row["device_total"] = state.device + sum(temps.values()) + (act.peak if act else 0.0)
-    calls = comm.collectives(plan, [*m.units, m.root], precision, world, setup.ranks_per_node, reshard,
-                             torch_zero1)
+    root_reshards = not (exact is not None and exact[1].strategy.name == "fsdp1")
+    calls = comm.collectives(plan, m.units, precision, world, setup.ranks_per_node, reshard,
+                             torch_zero1, setup.backend, m.root, root_reshards)
     row["comm"] = comm.summarize(calls, setup.links)
     row["comm"]["host_device_bytes"] = comm.offload_bytes(plan, m.n_params, precision, world)
     return row
@@ -183,7 +195,8 @@ def exact_strategy(setup: Setup, token: str) -> tuple[Plan, Config, list, bool, 
     offload = (s.name == "fsdp" and s.fsdp.cpu_offload) or (s.name == "fsdp1" and s.fsdp1.cpu_offload)
     reshard = kind != "zero2"
     plan = Plan(kind, offload, group, token)
-    per_rank = layout.exact_state(cfg, setup.world, setup.ranks_per_node)
+    device = "cuda" if setup.backend == "nccl" else "cpu"
+    per_rank = layout.exact_state(cfg, setup.world, setup.ranks_per_node, device)
     return plan, cfg, per_rank, reshard, REGISTRY[s.name].wrapper_casts
 
 
@@ -192,5 +205,5 @@ def describe(setup: Setup) -> str:
     return (f"{setup.model.name}, {setup.world} ranks ({setup.ranks_per_node} per node), "
             f"{setup.optimizer} ({OPTIMIZER_BYTES[setup.optimizer]} B/param of state), "
             f"{p.name} (weights {p.weight} B, grads {p.grad} B, master {p.master} B), "
-            f"micro batch {setup.micro}, activation checkpointing "
+            f"micro batch {setup.micro}, {setup.backend}, activation checkpointing "
             f"{'on' if setup.checkpointing else 'off'}")
