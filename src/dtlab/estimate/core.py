@@ -41,8 +41,8 @@ def model_from_size(n_params: float, n_layer: int | None, hidden: int | None,
                     n_head: int | None, seq_len: int | None, vocab: int) -> Model:
     notes = []
     if n_layer is None or hidden is None:
-        rule_l, rule_h = gpt_shape(n_params)
-        n_layer, hidden = n_layer or rule_l, hidden or 128 * (n_layer or rule_l)
+        n_layer = n_layer or gpt_shape(n_params)[0]
+        hidden = hidden or 128 * n_layer
         notes.append(f"shape by the hidden = 128 x layers rule: {n_layer} layers x {hidden}")
     heads = n_head or max(1, hidden // 128)
     block = 12 * hidden * hidden + 12 * hidden
@@ -146,7 +146,7 @@ def estimate(setup: Setup, token: str) -> dict[str, Any]:
         precision, per_rank, reshard, torch_zero1 = setup.precision, None, True, False
         wrapper_casts = plan.kind == "zero3"
         state = memory.state_per_rank(m.n_params, plan, precision, setup.optimizer, world)
-    temps = memory.temporaries(m.n_params, max(m.units), m.root, plan, precision, world,
+    temps = memory.temporaries(m.n_params, max(m.units, default=0.0), m.root, plan, precision, world,
                                gathers_all=exact is not None and plan.kind == "zero2")
     row: dict[str, Any] = {
         "strategy": token, "layout": plan.kind + ("+offload" if plan.offload else ""),
