@@ -1,4 +1,5 @@
-"""`dtlab` command line: train, compare, sweep, collect, plot, report, comm, export, config, doctor.
+"""`dtlab` command line: train, compare, sweep, collect, plot, report, comm, estimate, advise,
+export, config, doctor.
 
 Bad input ends with one line on stderr and exit code 2. torch is imported only when work starts,
 so configuration mistakes are reported at once.
@@ -92,6 +93,18 @@ def cmd_comm(args: argparse.Namespace) -> int:
     return run_comm(args)
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from dtlab.estimate.cli import cmd_estimate as run
+
+    return run(args)
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    from dtlab.estimate.cli import cmd_advise as run
+
+    return run(args)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from dtlab.checkpoint import export
 
@@ -168,6 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_comm_arguments(p)
     p.set_defaults(func=cmd_comm)
+
+    from dtlab.estimate.cli import add_advise_arguments, add_estimate_arguments
+
+    p = sub.add_parser("estimate", help="per-rank memory and communication of a setup, by arithmetic")
+    add_estimate_arguments(p)
+    p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("advise", help="which strategy fits a GPU's memory, with the numbers and headroom")
+    add_advise_arguments(p)
+    p.set_defaults(func=cmd_advise)
 
     p = sub.add_parser("export", help="a checkpoint's full model as one safetensors file")
     p.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_NNNNNN")

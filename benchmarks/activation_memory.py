@@ -1,0 +1,122 @@
+"""Activation memory: dtlab's estimate against autograd's saved tensors and the measured peak.
+
+    python benchmarks/activation_memory.py [--quick] [--json docs/results/activation_memory.json]
+    python benchmarks/activation_memory.py --conv-gap   # ResNet: the gap vs its largest weight
+
+The cases run one after another in a single-threaded child process started with
+MALLOC_MMAP_THRESHOLD_=65536, so glibc returns freed blocks to the system and the resident-memory
+peak follows the live tensors (src/dtlab/estimate/measure.py). Measured = median peak growth of 3
+forward + backward steps (gradients already allocated). CUDA is used when available
+(max_memory_allocated growth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+CASES = [
+    # (label, overrides, micro batches)
+    ("quick CNN", ["model.name=cnn"], [32, 256]),
+    ("ResNet-18 w0.5", ["model.name=resnet", "model.width=0.5"], [8, 32]),
+    ("GPT 4x128 (fsdp_gpt)", ["model.name=gpt"], [8, 32]),
+    ("GPT 8x256", ["model.name=gpt", "model.n_layer=8", "model.n_embd=256", "model.n_head=8",
+                   "model.block_size=128"], [4, 16]),
+]
+QUICK = [("quick CNN", ["model.name=cnn"], [128]), ("GPT 4x128 (fsdp_gpt)", ["model.name=gpt"], [32])]
+MODES = ["fp32", "autocast"]
+
+
+def one(overrides: list[str], micro: int, mode: str, ckpt: bool) -> dict:
+    """Runs in the child process: estimate, trace and measure one case."""
+    import torch
+
+    from dtlab.config import load_config
+    from dtlab.data import spec_for
+    from dtlab.estimate.activations import config_segments, walk
+    from dtlab.estimate.measure import batch, checkpoint_blocks, peak_growth, saved_bytes
+    from dtlab.models import build_model
+
+    torch.set_num_threads(1)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = load_config(None, overrides)
+    spec = spec_for(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, spec).to(dev)
+    x, y = batch(cfg.model.name, spec, micro, dev)
+    traced = saved_bytes(model, x, y, mode)
+    if ckpt:
+        checkpoint_blocks(model)
+    est = walk(config_segments(cfg, micro, mode), ckpt)
+    grown = peak_growth(model, x, y, mode)
+    return {"device": dev.type, "saved_est": est.saved, "peak_est": est.peak,
+            "saved_traced": traced, "measured": statistics.median(grown), "runs": grown}
+
+
+def conv_gap() -> None:
+    """ResNet-18 at three widths: measured minus estimated peak, against the largest conv weight."""
+    from dtlab.config import load_config
+
+    print(f"{'width':>6}{'micro':>6}{'peak est MB':>12}{'measured MB':>12}{'gap MB':>8}"
+          f"{'largest conv weight MB':>24}")
+    for width in (0.25, 0.5, 1.0):
+        overrides = ["model.name=resnet", f"model.width={width}"]
+        cfg = load_config(None, overrides)
+        largest = 4 * 9 * round(512 * cfg.model.width) ** 2
+        for micro in (4, 16):
+            r = one(overrides, micro, "fp32", False)
+            print(f"{width:>6}{micro:>6}{r['peak_est'] / 1e6:>12.2f}{r['measured'] / 1e6:>12.2f}"
+                  f"{(r['measured'] - r['peak_est']) / 1e6:>8.2f}{largest / 1e6:>24.2f}", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="two cases only")
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--conv-gap", action="store_true", help="ResNet's gap vs its largest weight")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child == "conv-gap":
+        conv_gap()
+        return 0
+    if args.child:
+        for label, overrides, micros in QUICK if args.child == "quick" else CASES:
+            for micro in micros:
+                for mode in MODES:
+                    for ckpt in (False, True):
+                        r = {"model": label, "overrides": overrides, "micro": micro,
+                             "precision": mode, "checkpointing": ckpt,
+                             **one(overrides, micro, mode, ckpt)}
+                        print(json.dumps(r), flush=True)
+        return 0
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    if args.conv_gap:
+        return subprocess.run([sys.executable, __file__, "--child", "conv-gap"], env=env).returncode
+    child = subprocess.Popen([sys.executable, __file__, "--child", "quick" if args.quick else "all"],
+                             env=env, stdout=subprocess.PIPE, text=True)
+    rows = []
+    print(f"{'model':<22}{'micro':>6}{'precision':>10}{'ckpt':>6}{'saved est MB':>13}"
+          f"{'traced MB':>11}{'peak est MB':>12}{'measured MB':>12}{'error':>8}")
+    assert child.stdout is not None
+    for line in child.stdout:
+        r = json.loads(line)
+        r["error"] = r["peak_est"] / r["measured"] - 1
+        rows.append(r)
+        print(f"{r['model']:<22}{r['micro']:>6}{r['precision']:>10}"
+              f"{'on' if r['checkpointing'] else 'off':>6}{r['saved_est'] / 1e6:>13.2f}"
+              f"{r['saved_traced'] / 1e6:>11.2f}{r['peak_est'] / 1e6:>12.2f}"
+              f"{r['measured'] / 1e6:>12.2f}{100 * r['error']:>7.1f}%", flush=True)
+    if child.wait():
+        return child.returncode
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""Activation memory of dtlab's models: what autograd saves for backward, and the peak during it.
+
+Each model is a list of segments (its blocks, and what comes before and after them); each
+segment a list of ops in forward order. Per op:
+
+    saved     bytes of the tensors it keeps for backward that no earlier op keeps (a tensor kept
+              by several ops is counted at the first, and freed after that op's backward)
+    casts     the part of `saved` that is autocast's 16-bit copies of weights
+    grad_out  the gradient of its output, alive during its backward
+    grad_in   the gradient it computes for its input (0 where nothing needs one)
+    extra     other tensors alive during its backward: the gradient carried by a residual path,
+              and the new gradient of its weight before it is added into `.grad`
+
+saved activations = the sum of `saved` (the peak at the end of forward). The peak during backward
+walks the ops in reverse: live = what is still saved + grad_out + grad_in + extra; an op's saved
+tensors are freed after its backward. With activation checkpointing (per block, non-reentrant), a
+block keeps only its input; its backward recomputes it, so its saved tensors exist again while it
+runs. autocast caches its weight copies until the autocast region ends, after the loss: with
+checkpointing, the copies made in every block's forward are still alive at the end of forward.
+
+What is counted was read off autograd's saved tensors of each model (tests/test_estimate.py
+compares the two exactly). Three precisions: `fp32`; `autocast` (fp32 weights, 16-bit compute:
+matmul and convolution outputs are 16-bit, layer norms and the residual stream fp32, and autocast
+saves a 16-bit copy of every weight it casts and of every input it casts, once per consumer);
+`half` (the model itself in 16-bit, as with fp32 master weights in the optimizer). Not counted:
+dropout masks (dtlab's models have dropout 0 by default), the data batch itself, allocator
+overhead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dtlab.errors import DtlabError
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    saved: float
+    grad_out: float
+    grad_in: float
+    extra: float = 0.0
+    casts: float = 0.0
+
+
+@dataclass
+class Segment:
+    name: str
+    ops: list[Op]
+    input_bytes: float = 0.0  # what a checkpoint keeps of it (its input, if new memory)
+    block: bool = False  # a sharding unit: checkpointed when checkpointing is on
+
+    @property
+    def saved(self) -> float:
+        return sum(op.saved for op in self.ops)
+
+
+@dataclass(frozen=True)
+class Activations:
+    saved: float  # bytes kept for backward at the end of forward
+    peak: float  # the most alive at once during backward (saved + gradients in flight)
+    by_segment: dict[str, float] = field(default_factory=dict)
+
+
+def walk(segments: list[Segment], checkpoint: bool) -> Activations:
+    kept = {s.name: (s.input_bytes if checkpoint and s.block else s.saved) for s in segments}
+    live = sum(kept.values())
+    cached = sum(op.casts for s in segments if checkpoint and s.block for op in s.ops)
+    peak = live + cached  # the end of forward
+    for seg in reversed(segments):
+        if checkpoint and seg.block:
+            live -= seg.input_bytes  # recomputing saves the input again, with everything else
+            inner = seg.saved
+            for op in reversed(seg.ops):
+                peak = max(peak, live + inner + op.grad_out + op.grad_in + op.extra)
+                inner -= op.saved
+        else:
+            for op in reversed(seg.ops):
+                peak = max(peak, live + op.grad_out + op.grad_in + op.extra)
+                live -= op.saved
+    return Activations(sum(kept.values()), peak, kept)
+
+
+def elem_sizes(mode: str) -> tuple[int, int]:
+    """(activation bytes, residual-stream / layer-norm bytes) of a precision mode."""
+    if mode not in ("fp32", "autocast", "half"):
+        raise DtlabError(f"activation precision '{mode}' is not fp32, autocast or half")
+    return (4, 4) if mode == "fp32" else (2, 4) if mode == "autocast" else (2, 2)
+
+
+# ------------------------------------------------------------------------------------- GPT
+def gpt_segments(n_layer: int, n_embd: int, n_head: int, seq: int, vocab: int, micro: int,
+                 mode: str, block_size: int | None = None) -> list[Segment]:
+    """dtlab's GPT (pre-norm, 4x MLP with GELU, scaled_dot_product_attention, no dropout)."""
+    a, r = elem_sizes(mode)
+    cast = mode == "autocast"
+    wc = 2 if cast else 0  # bytes per weight element of autocast's saved 16-bit copies
+    h, tok = n_embd, micro * seq
+    th = tok * h
+    stats = 2 * (2 if mode == "half" else 4) * tok  # layer norm: mean and rstd per token
+    lse = 4 * micro * n_head * seq  # attention's log-sum-exp, fp32
+    blocks = []
+    for i in range(n_layer):
+        blocks.append(Segment(f"block{i}", [
+            Op("ln_1", r * th + stats, r * th, r * th, r * th),
+            # q, k, v projections read the same normed input: autocast casts it once per consumer
+            Op("qkv", (3 if cast else 1) * a * th + wc * 3 * h * h, 3 * a * th, r * th,
+               r * th + 4 * 3 * h * h, wc * 3 * h * h),
+            Op("attention", 4 * a * th + lse, a * th, 3 * a * th, r * th),  # q, k, v, out
+            Op("out_proj", wc * h * h, a * th, a * th, r * th + 4 * h * h, wc * h * h),
+            Op("ln_2", r * th + stats, r * th, r * th, r * th),
+            Op("fc", a * th + wc * 4 * h * h, 4 * a * th, r * th, r * th + 4 * 4 * h * h,
+               wc * 4 * h * h),
+            Op("gelu", 4 * a * th, 4 * a * th, 4 * a * th, r * th),
+            Op("proj", 4 * a * th + wc * 4 * h * h, a * th, 4 * a * th, r * th + 4 * 4 * h * h,
+               wc * 4 * h * h),
+        ], input_bytes=r * th, block=True))
+    positions = block_size or seq
+    embed = Segment("embedding", [Op("embedding", 8 * seq, r * th, 0, 4 * (vocab + positions) * h)])
+    head = Segment("head", [
+        Op("ln_f", r * th + stats, r * th, r * th),
+        Op("lm_head", a * th + wc * vocab * h, a * tok * vocab, r * th, 4 * vocab * h,
+           wc * vocab * h),
+        # cross-entropy in fp32: log_softmax keeps its output (and nll_loss a scalar weight)
+        Op("loss", 4 * tok * vocab + 4, 4 * tok * vocab, 4 * tok * vocab),
+    ])
+    return [embed, *blocks, head]
+
+
+# ------------------------------------------------------------------------------------- CNN
+def cnn_segments(channels: list[int], hidden: int, in_channels: int, image_size: int,
+                 num_classes: int, batch_norm: bool, activation: str, pool: str, micro: int,
+                 mode: str) -> list[Segment]:
+    """dtlab's SimpleCNN: conv stages (conv3x3, [BN], activation, pool 2) and an MLP head."""
+    a, r = elem_sizes(mode)
+    bn = 2 * r  # batch norm's saved mean and inverse std per channel (the weights' dtype)
+    cast = mode == "autocast"
+    wc = 2 if cast else 0
+    b, s = micro, image_size
+    segs = []
+    widths = [in_channels, *channels]
+    for i, (c_in, c_out) in enumerate(zip(widths, widths[1:], strict=False)):
+        x_in, x_out, pooled = b * c_in * s * s, b * c_out * s * s, b * c_out * (s // 2) ** 2
+        w = c_out * c_in * 9
+        # conv keeps its input: the previous stage's output, or for the first the data itself
+        # (only autocast's 16-bit copy of the data is new memory)
+        first = i == 0
+        kept_input = (wc * x_in if first else a * x_in)
+        ops = [Op("conv", kept_input + wc * w, a * x_out, 0 if first else a * x_in,
+                  4 * (w + (0 if batch_norm else c_out)), wc * w)]
+        if batch_norm:
+            ops.append(Op("batch_norm", a * x_out + bn * c_out, a * x_out, a * x_out, 8 * c_out))
+        # GELU keeps its input, ReLU its output; average pooling keeps its input (GELU's output,
+        # new) and max pooling also its indices
+        ops.append(Op(activation, a * x_out, a * x_out, a * x_out))
+        pool_kept = (a * x_out if activation == "gelu" else 0) + (8 * pooled if pool == "max" else 0)
+        ops.append(Op(f"{pool}_pool", pool_kept, a * pooled, a * x_out))
+        segs.append(Segment(f"stage{i}", ops, 0 if first else a * x_in, block=True))
+        s //= 2
+    flat = channels[-1] * s * s
+    segs.append(Segment("head", [
+        Op("fc1", a * b * flat + wc * flat * hidden, a * b * hidden, a * b * flat,
+           4 * (flat + 1) * hidden, wc * flat * hidden),
+        Op(activation, a * b * hidden, a * b * hidden, a * b * hidden),
+        Op("fc2", (a * b * hidden if activation == "gelu" else 0) + wc * hidden * num_classes,
+           a * b * num_classes, a * b * hidden, 4 * (hidden + 1) * num_classes,
+           wc * hidden * num_classes),
+        Op("loss", 4 * b * num_classes + 4, 4 * b * num_classes, 4 * b * num_classes),
+    ], a * b * flat, block=True))
+    return segs
+
+
+# ---------------------------------------------------------------------------------- ResNet
+def resnet_segments(widths: list[int], layout: tuple[int, ...], in_channels: int,
+                    image_size: int, num_classes: int, micro: int, mode: str) -> list[Segment]:
+    """dtlab's CIFAR ResNet: 3x3 stem, BasicBlocks (each block's input kept by its conv1)."""
+    a, r = elem_sizes(mode)
+    bn = 2 * r  # batch norm's saved mean and inverse std per channel (the weights' dtype)
+    wc = 2 if mode == "autocast" else 0
+    b, s = micro, image_size
+    c0 = widths[0]
+    x = b * c0 * s * s
+    stem = Segment("stem", [
+        Op("conv", wc * b * in_channels * s * s + wc * c0 * in_channels * 9, a * x, 0,
+           4 * c0 * in_channels * 9),
+        Op("batch_norm", a * x + bn * c0, a * x, a * x, 8 * c0),
+        Op("relu", 0, a * x, a * x),  # its output is the first block's input, kept there
+    ])
+    segs = [stem]
+    c_in = c0
+    for i, (c_out, n) in enumerate(zip(widths, layout, strict=True)):
+        for j in range(n):
+            stride = 2 if (i > 0 and j == 0) else 1
+            s_out = s // stride
+            x_in, y = b * c_in * s * s, b * c_out * s_out * s_out
+            w1, w2 = c_out * c_in * 9, c_out * c_out * 9
+            down = stride != 1 or c_in != c_out
+            ops = []
+            if down:  # autograd runs the shortcut's backward first: the main path's gradient waits
+                ops += [Op("shortcut_conv", wc * c_out * c_in, a * y, a * x_in,
+                           a * y + 4 * c_out * c_in, wc * c_out * c_in),
+                        Op("shortcut_bn", a * y + bn * c_out, a * y, a * y, a * y + 8 * c_out)]
+            carry = a * x_in  # the gradient reaching the input through the shortcut
+            ops = [Op("conv1", a * x_in + wc * w1, a * y, a * x_in, carry + 4 * w1, wc * w1),
+                   Op("bn1", a * y + bn * c_out, a * y, a * y, carry + 8 * c_out),
+                   Op("relu1", a * y, a * y, a * y, carry),
+                   Op("conv2", wc * w2, a * y, a * y, carry + 4 * w2, wc * w2),
+                   Op("bn2", a * y + bn * c_out, a * y, a * y, carry + 8 * c_out),
+                   *ops,
+                   Op("relu", 0, a * y, a * y)]  # its output: the next block's input
+            segs.append(Segment(f"block{len(segs) - 1}", ops, a * x_in, block=True))
+            c_in, s = c_out, s_out
+    segs.append(Segment("head", [
+        Op("avg_pool", a * b * c_in * s * s, a * b * c_in, a * b * c_in * s * s),
+        Op("fc", a * b * c_in + wc * c_in * num_classes, a * b * num_classes, a * b * c_in,
+           4 * (c_in + 1) * num_classes),
+        Op("loss", 4 * b * num_classes + 4, 4 * b * num_classes, 4 * b * num_classes),
+    ]))
+    return segs
+
+
+# ------------------------------------------------------------------------------ from a config
+def mode_for(precision: str) -> str:
+    """Activation precision mode of a memory.PRECISIONS name."""
+    if precision == "fp32":
+        return "fp32"
+    return "autocast" if precision.endswith("autocast") else "half"
+
+
+def config_segments(cfg: object, micro: int, mode: str) -> list[Segment]:
+    """Segments of a dtlab config's model (dtlab.config.Config) at `micro` samples per rank."""
+    from dtlab.data import spec_for
+    from dtlab.models.resnet import LAYOUTS
+
+    m, spec = cfg.model, spec_for(cfg)  # type: ignore[attr-defined]
+    if m.name == "gpt":
+        return gpt_segments(m.n_layer, m.n_embd, m.n_head, m.block_size, m.vocab_size, micro, mode)
+    if m.name == "cnn":
+        return cnn_segments(list(m.channels), m.hidden, spec.in_channels, spec.image_size,
+                            spec.num_classes, m.batch_norm, m.activation, m.pool, micro, mode)
+    widths = [max(1, round(w * m.width)) for w in (64, 128, 256, 512)]
+    return resnet_segments(widths, LAYOUTS[m.depth], spec.in_channels, spec.image_size,
+                           spec.num_classes, micro, mode)

@@ -1,0 +1,92 @@
+"""`dtlab advise`: the cheapest data-parallel layout whose per-GPU memory fits, and its headroom.
+
+Candidates, cheapest first: ddp; zero1 and zero2 (the same communication volume as ddp, less
+memory); zero3 / FSDP (1.5x ddp's volume); zero3 with activation checkpointing (about a third
+more compute: every block's forward runs twice); zero3 with its shards offloaded to host memory
+(optimizer steps on the CPU, host<->device copies every step). The first that fits is the advice.
+
+If none fits: when zero3's state alone (parameters, gradients, optimizer) exceeds the memory,
+only offloading or more GPUs help (tensor and pipeline parallelism divide the same state over the
+same GPUs); otherwise activations are the problem, and tensor (or pipeline) parallelism of degree
+t divides them (and the gathered units) by about t, with sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from dtlab.estimate.core import Setup, estimate
+
+CANDIDATES = [  # (strategy, activation checkpointing)
+    ("ddp", False), ("zero1", False), ("zero2", False), ("zero3", False), ("zero3", True),
+    ("zero3+offload", False), ("zero3+offload", True),
+]
+WHY = {
+    "ddp": "a full replica per GPU: the least communication (an all-reduce of the gradients)",
+    "zero1": "optimizer state sharded: the same communication volume as ddp",
+    "zero2": "gradients and optimizer state sharded: the same communication volume as ddp",
+    "zero3": "everything sharded: 1.5x ddp's communication (parameters gathered twice per step)",
+    "zero3+offload": "sharded state in host memory: the optimizer steps on the CPU, and the "
+                     "shards cross PCIe every step",
+}
+
+
+def advise(make_setup: Callable[[bool], Setup], gpu_bytes: float, reserve: float = 0.0,
+           host_bytes: float | None = None) -> dict[str, Any]:
+    """`make_setup(checkpointing)` -> the setup to estimate. Returns candidates and advice."""
+    rows = []
+    for token, ckpt in CANDIDATES:
+        setup = make_setup(ckpt)
+        if setup.world == 1 and token != "ddp":
+            continue
+        row = estimate(setup, token)
+        row["checkpointing"] = ckpt
+        need = row["device_total"] + reserve
+        row["fits"] = need <= gpu_bytes
+        row["headroom"] = gpu_bytes - need
+        if host_bytes is not None and row["host"]:
+            row["host_per_node"] = row["host"] * setup.ranks_per_node
+            row["host_fits"] = row["host_per_node"] <= host_bytes
+            row["fits"] = row["fits"] and row["host_fits"]
+        rows.append(row)
+    chosen = next((r for r in rows if r["fits"]), None)
+    out: dict[str, Any] = {"candidates": rows, "gpu_bytes": gpu_bytes, "reserve": reserve}
+    setup = make_setup(False)
+    if chosen is not None:
+        out["recommendation"] = {
+            "strategy": chosen["strategy"], "checkpointing": chosen["checkpointing"],
+            "per_gpu_bytes": chosen["device_total"], "headroom_bytes": chosen["headroom"],
+            "why": WHY[chosen["strategy"]],
+        }
+    else:
+        out["recommendation"] = beyond_data_parallel(rows, gpu_bytes - reserve, setup)
+    return out
+
+
+def beyond_data_parallel(rows: list[dict[str, Any]], budget: float, setup: Setup) -> dict[str, Any]:
+    """No data-parallel layout fits: more GPUs, or model parallelism for the activations."""
+    zero3 = next(r for r in rows if r["strategy"] == "zero3" and r["checkpointing"])
+    state = zero3["state"]
+    rest = zero3["device_total"] - state  # activations and gathered units
+    if state >= budget:
+        # State per GPU is 1/n of the total; activations and units stay per GPU.
+        room = budget - rest
+        gpus = math.ceil(state * setup.world / room) if room > 0 else None
+        return {"strategy": None, "model_parallel": None, "gpus_needed": gpus,
+                "why": "zero3's sharded state alone exceeds the memory per GPU; tensor and "
+                       "pipeline parallelism divide the same state over the same GPUs, so only "
+                       "more GPUs (or a larger host for offload) help"}
+    degree = 2
+    while degree <= setup.ranks_per_node and state + rest / degree > budget:
+        degree *= 2
+    if degree > setup.ranks_per_node:
+        return {"strategy": None, "model_parallel": None, "gpus_needed": None,
+                "why": "activations exceed the memory even divided over a whole node by tensor "
+                       "parallelism; use a smaller micro batch or sequence length"}
+    return {"strategy": "zero3", "checkpointing": True, "model_parallel": degree,
+            "per_gpu_bytes": state + rest / degree, "headroom_bytes": budget - state - rest / degree,
+            "why": f"state fits but activations do not: tensor (or pipeline) parallelism of "
+                   f"degree {degree} inside a node divides activations and gathered units by "
+                   f"about {degree}"}
