@@ -140,8 +140,29 @@ def check_communication(w: Path, out: dict[str, str]) -> None:
     assert {round(float(r["val_acc"]), 3) for r in results} == {0.158}
 
 
+def check_fsdp(w: Path, out: dict[str, str]) -> None:
+    rows = {r["strategy"]: r for r in json.loads((w / "runs/guide/fsdp/compare.json").read_text())}
+    assert {k: r["state_mib"] for k, r in rows.items()} == {
+        "single": 13.223, "ddp": 13.223, "fsdp": 6.612, "fsdp1": 6.612,
+        "fsdp1:SHARD_GRAD_OP": 6.612, "fsdp1:NO_SHARD": 13.223}
+    assert all(float(r["loss_dev"]) < 2.1e-7 for r in rows.values())
+    assert "verify passed" in output_of(out, "dtlab compare")
+    textbook = output_of(out, "7e9")  # params, grads, master, optim, state per GPU (GB)
+    assert re.search(r"^ddp\s+28\.00\s+28\.00\s+0\.00\s+56\.00\s+112\.00\s", textbook, re.M)
+    assert re.search(r"^zero3\s+7\.00\s+7\.00\s+0\.00\s+14\.00\s+28\.00\s", textbook, re.M)
+    comm = {run: summary(w, f"runs/guide/{run}")["comm_breakdown"] for run in
+            ("fsdp-fp32", "fsdp-bf16", "fsdp1-blocks", "fsdp1-one-unit")}
+    assert {run: (c["calls_per_step"], c["payload_bytes_per_step"]) for run, c in comm.items()} == {
+        "fsdp-fp32": (16, 10398980), "fsdp-bf16": (16, 6932740),
+        "fsdp1-blocks": (15, 10102784), "fsdp1-one-unit": (3, 6932480)}
+    bf16 = summary(w, "runs/guide/fsdp-bf16")
+    assert bf16["memory_per_rank"]["param_bytes"] == [1733120, 1733120]
+    assert round(bf16["final_train_loss"], 5) == 2.27522
+
+
 CHECKS: dict[str, Callable[[Path, dict[str, str]], None]] = {
     "02-ddp.md": check_ddp,
+    "03-fsdp.md": check_fsdp,
     "06-multi-node.md": check_multi_node,
     "07-communication.md": check_communication,
     "08-failure-modes.md": check_failure_modes,
