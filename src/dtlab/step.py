@@ -33,7 +33,7 @@ class Stepper:
     def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], sync: bool = True) -> torch.Tensor:
         t, strategy, scaler = self.t, self.strategy, self.scaler
         self.step_number += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        strategy.zero_grad(self.optimizer)
         step_loss = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(batches):
             local = not sync or i < len(batches) - 1
@@ -46,7 +46,7 @@ class Stepper:
             scaler.step(self.optimizer)
             scaler.update()
         elif sync and not self.finite(self.grad_norm(), step_loss):
-            self.optimizer.zero_grad(set_to_none=True)  # skip this step (nan_policy=skip)
+            strategy.skip_step(self.optimizer)  # nan_policy=skip
         else:
             strategy.optimizer_step(self.optimizer)
         self.scheduler.step()
