@@ -18,6 +18,8 @@ so dtlab works without the extra.
 from __future__ import annotations
 
 import logging
+import os
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -32,14 +34,22 @@ from dtlab.strategies.base import DTYPES, Strategy
 from dtlab.strategies.deepspeed_memory import held_bytes
 
 
-def import_deepspeed(shm_comm: bool) -> Any:
+def import_deepspeed(device: torch.device, shm_comm: bool) -> Any:
+    # The device dtlab chose, not DeepSpeed's own probing (which warns on every CPU run).
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
     try:
         import deepspeed
         import deepspeed.ops
     except ImportError:
         raise ConfigError("strategy.name=deepspeed needs the deepspeed package; "
                           "fix: pip install 'dtlab[deepspeed]'") from None
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # no INFO line per step/init
+    log = logging.getLogger("DeepSpeed")
+    log.setLevel(logging.WARNING)  # no INFO lines at init
+    # dtlab hands it torch's SGD/AdamW on purpose, and tests them against `single`.
+    log.addFilter(lambda record: "untested optimizer" not in record.getMessage())
+    # DeepSpeed 0.19.8 calls an all-gather that torch 2.13 deprecates: once per rank per run.
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated",
+                            category=FutureWarning)
     if not shm_comm:
         # Probing ops compiles nothing, but the shared-memory collectives would be JIT-compiled
         # with gcc inside init (~1 min the first time); an empty table leaves them off.
@@ -52,7 +62,11 @@ class DeepSpeed(Strategy):
     wrapper_casts = True  # bf16/fp16: DeepSpeed keeps low-precision parameters itself
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        deepspeed = import_deepspeed(self.cfg.strategy.deepspeed.shm_comm)
+        deepspeed = import_deepspeed(self.ctx.device, self.cfg.strategy.deepspeed.shm_comm)
+        env = self.ctx.env  # DeepSpeed asserts LOCAL_RANK is set; a one-process run sets nothing
+        for key, value in (("LOCAL_RANK", env.local_rank), ("RANK", env.rank),
+                           ("WORLD_SIZE", env.world_size)):
+            os.environ.setdefault(key, str(value))
         model = self.prepare(model)
         self.ds_config = deepspeed_config(self.cfg, self.ctx.world_size, self.ctx.device.type)
         self.client_optimizer = build_optimizer(model.parameters(), self.cfg.train)
