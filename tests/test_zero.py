@@ -110,6 +110,16 @@ def test_zero1_checkpoints_resume_and_load_into_ddp(session_dir: Path) -> None:
         assert max_rel_dev(step_losses(b)[-6:], step_losses(a)[-6:]) < TOL
 
 
+def test_zero1_with_a_ddp_comm_hook_matches_ddp_with_it(session_dir: Path) -> None:
+    """A comm hook only changes DDP's gradient all-reduce; ZeRO-1 then steps on the same gradients
+    (PowerSGD: stateful, low-rank, error feedback). local_sgd is refused (below)."""
+    out = session_dir / "zero1-powersgd"
+    proc = cli("compare", "--strategies", "ddp,zero1", "--nproc-per-node", "2", "--out", str(out),
+               "train.max_steps=12", "strategy.ddp.comm_hook=powersgd", "run.log_every=1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert max_rel_dev(step_losses(out / "zero1"), step_losses(out / "ddp")) < 1e-6
+
+
 def refusal(*args: str) -> str:
     proc = cli("train", *args)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
