@@ -116,6 +116,8 @@ class DeepSpeed(Strategy):
             yield
         finally:
             self.engine.set_gradient_accumulation_boundary(True)
+        if self._steps < 2:  # ZeRO 1 holds the unreduced gradients between micro batches
+            self._record_bytes()
 
     def no_sync(self, model: nn.Module) -> Any:
         # Not a boundary: ZeRO 1 keeps gradients local; ZeRO 2/3 still reduce them into the

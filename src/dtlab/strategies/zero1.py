@@ -59,7 +59,10 @@ class Zero1(DDP):
         return {name: p for name, p in _named_parameters(model) if id(p) in mine}
 
     def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        return state_bytes(model, optimizer.optim)  # the local optimizer holds this rank's state
+        # This rank's state lives in the local optimizer (overlap_with_ddp builds it only once
+        # DDP's buckets are known, after the first steps).
+        local = getattr(optimizer, "optim", None)
+        return state_bytes(model, optimizer if local is None else local)
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                    full: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
