@@ -13,9 +13,12 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlab.config.schema import Config
 
 DEFAULT_STAGE = 2
 # strategy.deepspeed.<option> -> zero_optimization.<key>, for the options that map one to one.
@@ -56,7 +59,7 @@ def _offload(zero: dict[str, Any], key: str) -> bool:
     return device not in (None, "none")
 
 
-def deepspeed_config(cfg: Any, world_size: int, device_type: str = "cpu") -> dict[str, Any]:
+def deepspeed_config(cfg: Config, world_size: int, device_type: str = "cpu") -> dict[str, Any]:
     """The DeepSpeed config dict for `cfg` on `world_size` ranks (raises ConfigError)."""
     o, t = cfg.strategy.deepspeed, cfg.train
     source = f"strategy.deepspeed.config '{o.config}'" if o.config else "the DeepSpeed config"
@@ -126,12 +129,3 @@ def deepspeed_config(cfg: Any, world_size: int, device_type: str = "cpu") -> dic
     ds.setdefault("steps_per_print", 2**31 - 1)  # dtlab logs the steps itself
     return ds
 
-
-def zero_stage(cfg: Any) -> int:
-    """The ZeRO stage a deepspeed run uses (its option, else its JSON, else the default)."""
-    o = cfg.strategy.deepspeed
-    if o.zero_stage is not None:
-        return o.zero_stage
-    if o.config:
-        return int(read_json(o.config).get("zero_optimization", {}).get("stage", DEFAULT_STAGE))
-    return DEFAULT_STAGE

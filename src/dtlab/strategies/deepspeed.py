@@ -51,8 +51,9 @@ def import_deepspeed(device: torch.device, shm_comm: bool) -> Any:
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated",
                             category=FutureWarning)
     if not shm_comm:
-        # Probing ops compiles nothing, but the shared-memory collectives would be JIT-compiled
-        # with gcc inside init (~1 min the first time); an empty table leaves them off.
+        # DeepSpeed probes which C++ ops this machine can build (compiler checks) and, when the
+        # shared-memory collectives are among them, JIT-compiles them with gcc inside init (about
+        # 2 min here the first time). An empty table skips both: plain torch.distributed is used.
         deepspeed.ops.__compatible_ops__ = {}
     return deepspeed
 
