@@ -23,16 +23,21 @@ MiB = 1024 * 1024
 
 
 def parse_spec(spec: str) -> list[str]:
-    """`fsdp1:SHARD_GRAD_OP` -> overrides selecting that strategy (and sharding strategy)."""
+    """`fsdp1:SHARD_GRAD_OP` / `deepspeed:3` -> overrides selecting that strategy and variant."""
     name, _, variant = spec.partition(":")
     if name not in STRATEGIES:
         raise ConfigError(f"--strategies: unknown strategy '{name}'; fix: use {', '.join(STRATEGIES)}")
     overrides = [f"strategy.name={name}"]
-    if variant:
+    if variant and name == "deepspeed":  # deepspeed:3 = ZeRO stage 3
+        if variant not in ("1", "2", "3"):
+            raise ConfigError(f"--strategies: '{spec}' is not valid; fix: deepspeed:1, :2 or :3 "
+                              "(the ZeRO stage)")
+        overrides.append(f"strategy.deepspeed.zero_stage={variant}")
+    elif variant:
         if name != "fsdp1" or variant not in SHARDING_STRATEGIES:
             raise ConfigError(
                 f"--strategies: '{spec}' is not valid; fix: only fsdp1 takes a variant, one of "
-                + ", ".join(SHARDING_STRATEGIES)
+                + ", ".join(SHARDING_STRATEGIES) + " (and deepspeed: its ZeRO stage)"
             )
         overrides.append(f"strategy.fsdp1.sharding_strategy={variant}")
     return overrides

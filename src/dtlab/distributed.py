@@ -79,7 +79,8 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             rank=int(env["RANK"]),
             local_rank=int(env.get("LOCAL_RANK", 0)),
             world_size=int(env["WORLD_SIZE"]),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+            # LOCAL_SIZE: the deepspeed launcher's name for it.
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", env["WORLD_SIZE"]))),
             master_addr=env.get("MASTER_ADDR"),
             master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None,
             # torch elastic marks its workers; srun tasks that export RANK keep SLURM's variables.

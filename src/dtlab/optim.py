@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -18,13 +19,18 @@ def peak_lr(cfg: TrainConfig) -> float:
     return cfg.lr
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+def optimizer_spec(cfg: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The optimizer class and its hyper-parameters (wrappers such as ZeRO build it themselves)."""
     lr = peak_lr(cfg)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(
-            params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
-        )
-    return torch.optim.AdamW(params, lr=lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD, {"lr": lr, "momentum": cfg.momentum, "nesterov": cfg.nesterov,
+                                 "weight_decay": cfg.weight_decay}
+    return torch.optim.AdamW, {"lr": lr, "betas": cfg.betas, "weight_decay": cfg.weight_decay}
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    cls, kwargs = optimizer_spec(cfg)
+    return cls(params, **kwargs)
 
 
 def build_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> LambdaLR:

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
 from dtlab import checkpoint
 from dtlab.config import Config
@@ -46,9 +45,8 @@ def load(path: Path, cfg: Config, ctx: DistContext, strategy: Strategy, model: n
     model_sd, optim_sd = strategy.state_dict(model, optimizer, full=False)  # shapes to fill
     tensors = {"model": model_sd, "optim": optim_sd["state"]}
     manifest = checkpoint.load(path, tensors, cfg.model_dump(mode="json"), ctx)
-    set_state_dict(model, optimizer, model_state_dict=tensors["model"],
-                   optim_state_dict={"state": tensors["optim"], "param_groups": manifest["param_groups"]},
-                   options=StateDictOptions(full_state_dict=False))
+    strategy.load_state_dict(model, optimizer, tensors["model"],
+                             {"state": tensors["optim"], "param_groups": manifest["param_groups"]})
     scheduler.load_state_dict(manifest["scheduler"])
     if scaler is not None and manifest.get("scaler"):
         scaler.load_state_dict(manifest["scaler"])

@@ -35,7 +35,7 @@ class Stepper:
         t, strategy, scaler = self.t, self.strategy, self.scaler
         self.step_number += 1
         if not self.lab.no_zero_grad:
-            self.optimizer.zero_grad(set_to_none=True)
+            strategy.zero_grad(self.optimizer)
         step_loss = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(batches):
             local = not sync or (i < len(batches) - 1 and not self.lab.sync_every_micro_step)
@@ -48,7 +48,7 @@ class Stepper:
             scaler.step(self.optimizer)
             scaler.update()
         elif sync and not self.finite(self.grad_norm(), step_loss):
-            self.optimizer.zero_grad(set_to_none=True)  # skip this step (nan_policy=skip)
+            strategy.skip_step(self.optimizer)  # nan_policy=skip
         else:
             strategy.optimizer_step(self.optimizer)
         self.scheduler.step()

@@ -18,7 +18,7 @@ from dtlab.comm.breakdown import analytic_bytes, measure
 from dtlab.config import Config
 from dtlab.data import DataSpec
 from dtlab.distributed import DistContext
-from dtlab.metrics import peak_memory, state_bytes, time_stats
+from dtlab.metrics import peak_memory, time_stats
 from dtlab.models import build_model, loss_fn
 from dtlab.optim import build_optimizer
 from dtlab.strategies import Strategy
@@ -33,7 +33,7 @@ def summarize(cfg: Config, ctx: DistContext, strategy: Strategy, spec: DataSpec,
     warm = cfg.run.timing_warmup_steps
     timed = step_times[warm:] or step_times  # warm-up steps (allocation, compilation) excluded
     stats = time_stats(timed)
-    mem, state = peak_memory(ctx.device), state_bytes(model, optimizer)
+    mem, state = peak_memory(ctx.device), strategy.state_bytes(model, optimizer)
     index = ctx.device.index if ctx.device.index is not None else -1
     per_rank = ctx.gather_floats([*mem.values(), *state.values(), ctx.env.local_rank, index])
     keys = [*mem, *state]

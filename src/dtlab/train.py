@@ -1,6 +1,7 @@
 """The training loop: one loop for every strategy.
 
     torchrun --nproc_per_node=N -m dtlab.train --config FILE [key=value ...]
+    deepspeed --num_gpus N --module dtlab.train [key=value ...]   (strategy.name=deepspeed)
 
 Read `train()` top to bottom: data, model, strategy, optimizer, resume, then for each step: the
 step (dtlab/step.py), log, evaluate, checkpoint; then the summary.
@@ -202,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config (default: the built-in quick config)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=0.1")
+    # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     return run(args.config, args.overrides)
 

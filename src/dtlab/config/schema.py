@@ -21,7 +21,7 @@ from pydantic import (
 
 from dtlab.errors import ConfigError
 
-STRATEGIES = ("single", "ddp", "fsdp", "fsdp1")
+STRATEGIES = ("single", "ddp", "fsdp", "fsdp1", "zero1", "deepspeed")
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
 
@@ -173,12 +173,38 @@ class FSDP1Options(Section):
     reduce_fp32: bool = True
 
 
+class Zero1Options(Section):
+    """DDP + torch's ZeroRedundancyOptimizer (strategy.ddp.* options apply to the DDP part)."""
+
+    parameters_as_bucket_view: bool = False  # broadcast updated parameters as flat buckets
+    overlap_with_ddp: bool = False  # the step inside DDP's backward hook; NCCL only
+
+
+class DeepSpeedOptions(Section):
+    """DeepSpeed ZeRO (the `deepspeed` extra). dtlab's train.* keys (batch, accumulation, clipping,
+    precision, optimizer, schedule) are mapped into the DeepSpeed config; `config` (a DeepSpeed
+    JSON) supplies the rest. Options left at None take the JSON's value, else DeepSpeed's default;
+    a value that contradicts the JSON is refused."""
+
+    config: str | None = None  # path to a DeepSpeed JSON, e.g. configs/deepspeed/zero2.json
+    zero_stage: Literal[1, 2, 3] | None = None  # None: the JSON's, else 2
+    offload_optimizer: bool | None = None  # optimizer state + fp32 master weights in host memory
+    offload_param: bool | None = None  # parameters in host memory (ZeRO 3 only)
+    reduce_bucket_size: PositiveInt | None = None  # elements per gradient reduction bucket
+    allgather_bucket_size: PositiveInt | None = None  # elements per all-gather (ZeRO 1/2)
+    overlap_comm: bool | None = None  # reduce gradients while the backward pass goes on
+    contiguous_gradients: bool | None = None  # copy gradients into one buffer as they are made
+    shm_comm: bool = False  # DeepSpeed's shared-memory CPU collectives (compiles a C++ op)
+
+
 class StrategyConfig(Section):
     name: Literal[STRATEGIES] = "single"  # type: ignore[valid-type]
     sync_batchnorm: bool = False
     ddp: DDPOptions = Field(default_factory=DDPOptions)
     fsdp: FSDPOptions = Field(default_factory=FSDPOptions)
     fsdp1: FSDP1Options = Field(default_factory=FSDP1Options)
+    zero1: Zero1Options = Field(default_factory=Zero1Options)
+    deepspeed: DeepSpeedOptions = Field(default_factory=DeepSpeedOptions)
 
 
 # ------------------------------------------------------------------------------------------- run
@@ -281,6 +307,8 @@ def check_world(cfg: Config, world_size: int, local_world_size: int | None = Non
             f"strategy.ddp.local_sgd_group_size={s.ddp.local_sgd_group_size} does not divide "
             f"world_size={world_size}; fix: choose a divisor"
         )
+    if s.name == "zero1":
+        check_zero1(cfg)
     dp = data_parallel_size(cfg, world_size)
     per_step = dp * t.grad_accum_steps
     if t.global_batch_size < per_step or t.global_batch_size % per_step:
@@ -297,13 +325,66 @@ def check_world(cfg: Config, world_size: int, local_world_size: int | None = Non
                 f"HYBRID_SHARD cannot split world_size={world_size} into shard groups of {group}; "
                 "fix: set strategy.fsdp1.shard_group_size to a divisor of the world size"
             )
+    if s.name == "deepspeed":
+        check_deepspeed(cfg, world_size)
     return t.global_batch_size // per_step
+
+
+def device_type(cfg: Config) -> str:
+    """The device type a run will use (imports torch only when run.device=auto)."""
+    if cfg.run.device != "auto":
+        return cfg.run.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_zero1(cfg: Config) -> None:
+    z, hook = cfg.strategy.zero1, cfg.strategy.ddp.comm_hook
+    if hook == "local_sgd":
+        raise ConfigError(
+            "strategy.ddp.comm_hook=local_sgd does not combine with strategy zero1 (post-local SGD "
+            "wraps the optimizer and averages parameters itself); fix: use strategy ddp, or "
+            "another comm_hook")
+    if not z.overlap_with_ddp:
+        return
+    backend = cfg.run.backend
+    if backend == "gloo" or (backend == "auto" and device_type(cfg) == "cpu"):
+        raise ConfigError(
+            "strategy.zero1.overlap_with_ddp=true needs the NCCL backend (PyTorch's "
+            "hook_with_zero_step refuses gloo, which may hang); fix: set it false on CPU/gloo")
+    clash = [k for k, on in (("strategy.ddp.comm_hook", hook != "none"),
+                             ("train.grad_clip", cfg.train.grad_clip > 0),
+                             ("train.checkpoint_every", cfg.train.checkpoint_every > 0)) if on]
+    if clash:
+        raise ConfigError(
+            f"strategy.zero1.overlap_with_ddp=true runs the optimizer step inside DDP's backward "
+            f"hook, so {', '.join(clash)} cannot apply; fix: turn those off or set "
+            "overlap_with_ddp=false")
+
+
+def check_deepspeed(cfg: Config, world_size: int) -> None:
+    from dtlab.config.deepspeed import deepspeed_config
+
+    t = cfg.train
+    if t.checkpoint_every or cfg.resume not in ("auto", "none"):
+        raise ConfigError(
+            "checkpoints are not supported with strategy deepspeed (its ZeRO partitions do not map "
+            "onto dtlab's DCP checkpoints); fix: set train.checkpoint_every=0 and resume=auto|none")
+    if t.compile:
+        raise ConfigError("train.compile with strategy deepspeed is not supported; "
+                          "fix: set train.compile=false")
+    deepspeed_config(cfg, world_size, device_type(cfg))  # refuses contradictions
 
 
 def check_environment(cfg: Config) -> None:
     """Options that need an optional package."""
     import importlib.util
 
+    if cfg.strategy.name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError(
+            "strategy.name=deepspeed needs the deepspeed package; "
+            "fix: pip install 'dtlab[deepspeed]' (after the pinned torch), or choose another strategy")
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(
             "run.tensorboard=true needs the tensorboard package; "

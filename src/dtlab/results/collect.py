@@ -16,7 +16,7 @@ from typing import Any
 from dtlab.errors import DtlabError
 
 RANK_KEYS = ("nproc_per_node", "nnodes")  # the x axis, not a series
-STRATEGY_KEYS = ("strategy.name", "strategy.fsdp1.sharding_strategy")
+STRATEGY_KEYS = ("strategy.name", "strategy.fsdp1.sharding_strategy", "strategy.deepspeed.zero_stage")
 COLUMNS = [
     "series", "strategy", "world_size", "nnodes", "status", "reason", "model", "n_params", "data",
     "precision", "global_batch_size", "micro_batch_size", "grad_accum_steps", "steps",
@@ -34,6 +34,8 @@ def strategy_label(summary: dict[str, Any]) -> str:
     options = summary.get("strategy_options") or {}
     if name == "fsdp1" and options.get("sharding_strategy", "FULL_SHARD") != "FULL_SHARD":
         return f"fsdp1:{options['sharding_strategy']}"
+    if name == "deepspeed" and options.get("zero_stage"):
+        return f"deepspeed:{options['zero_stage']}"  # as `dtlab compare --strategies` names it
     return name
 
 

@@ -6,11 +6,13 @@ from dtlab.config import Config
 from dtlab.distributed import DistContext
 from dtlab.strategies.base import Strategy
 from dtlab.strategies.ddp import DDP
+from dtlab.strategies.deepspeed import DeepSpeed
 from dtlab.strategies.fsdp import FSDP
 from dtlab.strategies.fsdp1 import FSDP1
 from dtlab.strategies.single import Single
+from dtlab.strategies.zero1 import Zero1
 
-REGISTRY: dict[str, type[Strategy]] = {s.name: s for s in (Single, DDP, FSDP, FSDP1)}
+REGISTRY: dict[str, type[Strategy]] = {s.name: s for s in (Single, DDP, FSDP, FSDP1, Zero1, DeepSpeed)}
 
 __all__ = ["REGISTRY", "Strategy", "build_strategy"]
 

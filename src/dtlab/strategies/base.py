@@ -22,11 +22,13 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_state_dict,
 )
 
 from dtlab.config import Config
 from dtlab.data import EvalLoader
 from dtlab.distributed import DistContext
+from dtlab.metrics import state_bytes
 from dtlab.models import loss_fn
 from dtlab.optim import build_optimizer
 
@@ -91,6 +93,14 @@ class Strategy:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop the gradients before a step's first micro batch."""
+        optimizer.zero_grad(set_to_none=True)
+
+    def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Discard this step's gradients without applying them (a non-finite step, nan_policy=skip)."""
+        optimizer.zero_grad(set_to_none=True)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         """Context for accumulation micro steps whose gradients must not be synchronised yet."""
@@ -157,6 +167,16 @@ class Strategy:
         if optimizer is None:
             return get_model_state_dict(model, options=options), {}
         return get_state_dict(model, optimizer, options=options)
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+        """Put back what `state_dict(full=False)` returned (filled from a checkpoint)."""
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=StateDictOptions(full_state_dict=False))
+
+    def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Exact bytes of the parameters, gradients and optimizer state this rank holds."""
+        return state_bytes(model, optimizer)
 
     def describe(self) -> dict[str, Any]:
         """The options that define this strategy's behaviour, for summary.json."""
