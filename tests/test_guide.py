@@ -160,9 +160,31 @@ def check_fsdp(w: Path, out: dict[str, str]) -> None:
     assert round(bf16["final_train_loss"], 5) == 2.27522
 
 
+def check_zero(w: Path, out: dict[str, str]) -> None:
+    assert "verify passed" in output_of(out, "dtlab compare")
+    rows = {r["strategy"]: r for r in json.loads((w / "runs/guide/zero/compare.json").read_text())}
+    assert set(rows) == {"single", "ddp", "zero1", "deepspeed:1", "deepspeed:2", "deepspeed:3"}
+    p = 3466240
+    mem = {run: summary(w, f"runs/guide/zero/{run}")["memory_per_rank"] for run in
+           ("zero1", "deepspeed-1", "deepspeed-3")}
+    assert [round(b / p, 3) for b in mem["zero1"]["optim_bytes"]] == [1.002, 0.998]
+    assert [round(b / p, 3) for b in mem["deepspeed-1"]["grad_bytes"]] == [0.504, 0.571]
+    assert [round(b / p, 3) for b in mem["deepspeed-1"]["optim_bytes"]] == [1.5, 1.5]
+    assert [round(b / p, 3) for b in mem["deepspeed-3"]["param_bytes"]] == [1.5, 1.5]
+    assert "| deepspeed-3 | 0 | 5,077.5 (1.5) |" in output_of(out, "zero_bytes.py")
+    advice = output_of(out, "advise --n-params 7e9")
+    assert "advice: zero1 - 57.34 of 80.00 GB per GPU, headroom 22.66 GB" in advice
+    assert "advice: zero3+offload with activation checkpointing - 22.04 of 80.00 GB" in output_of(
+        out, "advise --n-params 70e9")
+    assert re.search(r"^ddp\s+14\.00\s+14\.00\s+28\.00\s+56\.00\s+112\.00\s",
+                     output_of(out, "dtlab estimate"), re.M)
+    assert summary(w, "runs/guide/zero3-offload")["steps"] == 10
+
+
 CHECKS: dict[str, Callable[[Path, dict[str, str]], None]] = {
     "02-ddp.md": check_ddp,
     "03-fsdp.md": check_fsdp,
+    "04-zero.md": check_zero,
     "06-multi-node.md": check_multi_node,
     "07-communication.md": check_communication,
     "08-failure-modes.md": check_failure_modes,
