@@ -16,7 +16,8 @@ from typing import Any
 from dtlab.errors import DtlabError
 
 RANK_KEYS = ("nproc_per_node", "nnodes")  # the x axis, not a series
-STRATEGY_KEYS = ("strategy.name", "strategy.fsdp1.sharding_strategy")
+STRATEGY_KEYS = ("strategy.name", "strategy.fsdp1.sharding_strategy", "strategy.pp.schedule",
+                 "strategy.tp.degree", "strategy.pp.degree")
 COLUMNS = [
     "series", "strategy", "world_size", "nnodes", "status", "reason", "model", "n_params", "data",
     "precision", "global_batch_size", "micro_batch_size", "grad_accum_steps", "steps",
@@ -34,7 +35,11 @@ def strategy_label(summary: dict[str, Any]) -> str:
     options = summary.get("strategy_options") or {}
     if name == "fsdp1" and options.get("sharding_strategy", "FULL_SHARD") != "FULL_SHARD":
         return f"fsdp1:{options['sharding_strategy']}"
-    return name
+    label = f"pp:{options.get('schedule', '1f1b')}" if name == "pp" else name
+    mesh = options.get("mesh") or {}
+    if len(mesh) == 2 and list(mesh.values())[0] > 1:  # model parallel with replicas: DPxMP
+        label += "@{}x{}".format(*mesh.values())
+    return label
 
 
 def row_from_run(run_dir: Path, root: Path) -> dict[str, Any]:

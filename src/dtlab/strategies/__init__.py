@@ -8,9 +8,13 @@ from dtlab.strategies.base import Strategy
 from dtlab.strategies.ddp import DDP
 from dtlab.strategies.fsdp import FSDP
 from dtlab.strategies.fsdp1 import FSDP1
+from dtlab.strategies.pp import PP
 from dtlab.strategies.single import Single
+from dtlab.strategies.tp import FSDPTP, TP
 
-REGISTRY: dict[str, type[Strategy]] = {s.name: s for s in (Single, DDP, FSDP, FSDP1)}
+REGISTRY: dict[str, type[Strategy]] = {
+    s.name: s for s in (Single, DDP, FSDP, FSDP1, TP, FSDPTP, PP)
+}
 
 __all__ = ["REGISTRY", "Strategy", "build_strategy"]
 
