@@ -66,6 +66,11 @@ def gpt_plan() -> dict[str, Any]:
     }
 
 
+def _shard_grad_like_param(param: torch.Tensor) -> None:
+    if param.grad is not None and param.grad.placements != param.placements:
+        param.grad = param.grad.redistribute(placements=param.placements)
+
+
 class TP(Strategy):
     name = "tp"
 
@@ -85,7 +90,13 @@ class TP(Strategy):
         return self.mesh["dp"].size()
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return parallelize_module(self.prepare(model), self.mesh["tp"], gpt_plan())
+        model = parallelize_module(self.prepare(model), self.mesh["tp"], gpt_plan())
+        # DTensor's embedding backward returns a replicated (full-size) gradient for the
+        # row-sharded tables; keep only this rank's rows (a local slice, no communication), so
+        # that gradients and optimizer state are split like the parameters.
+        for table in (model.wte.weight, model.wpe.weight):
+            table.register_post_accumulate_grad_hook(_shard_grad_like_param)
+        return model
 
     def forward_backward(self, forward: nn.Module, x: torch.Tensor, y: torch.Tensor,
                          loss_hook: LossHook) -> torch.Tensor:
