@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli, max_rel_dev, step_losses
+from conftest import CONFIGS, cli, max_rel_dev, step_losses
 
 from dtlab.cli import main
 from dtlab.compare import param_deviation, parse_spec, run_label, spec_ranks
@@ -174,3 +174,16 @@ def test_pipeline_on_one_rank(runs: Path, session_dir: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert max_rel_dev(step_losses(run), ref) < TOL
     assert torch.isfinite(torch.tensor(step_losses(run))).all()
+
+
+def test_sweeps_take_the_strategies_and_their_meshes(tmp_path: Path) -> None:
+    from dtlab.sweeps.spec import SweepSpec, expand, load_spec
+
+    for name, count in [("model_parallel", 9), ("pipeline_bubble", 12)]:
+        plans = expand(load_spec(CONFIGS / "sweeps" / f"{name}.yaml"), tmp_path, "local")
+        assert len(plans) == count and all(p.invalid is None for p in plans), name
+    spec = SweepSpec(base=str(CONFIGS / "tp_gpt.yaml"), overrides={"strategy.tp.degree": 2},
+                     matrix={"strategy.name": ["fsdp_tp"], "nproc_per_node": [2, 3, 4]})
+    plans = {p.nproc_per_node: p for p in expand(spec, tmp_path, "local")}
+    assert plans[2].invalid is None and plans[4].invalid is None
+    assert "strategy.tp.degree=2 does not divide world_size=3" in str(plans[3].invalid)

@@ -16,8 +16,7 @@ from typing import Any
 from dtlab.errors import DtlabError
 
 RANK_KEYS = ("nproc_per_node", "nnodes")  # the x axis, not a series
-STRATEGY_KEYS = ("strategy.name", "strategy.fsdp1.sharding_strategy", "strategy.pp.schedule",
-                 "strategy.tp.degree", "strategy.pp.degree")
+STRATEGY_KEYS = ("strategy.name", "strategy.fsdp1.sharding_strategy", "strategy.pp.schedule")
 COLUMNS = [
     "series", "strategy", "world_size", "nnodes", "status", "reason", "model", "n_params", "data",
     "precision", "global_batch_size", "micro_batch_size", "grad_accum_steps", "steps",
@@ -66,6 +65,10 @@ def row_from_run(run_dir: Path, root: Path) -> dict[str, Any]:
         key=rec.get("key", ""),
         source=str(run_dir.relative_to(root)) if run_dir != root else ".",
     )
+    pipe = s.get("pipeline")
+    if pipe:  # strategy pp: the measured bubble next to the theory
+        row.update({f"pp_{k}": pipe[k] for k in ("microbatches", "stages_per_rank",
+                                                 "bubble_measured", "bubble_theory")})
     varied = {k: v for k, v in rec.get("combo", {}).items()
               if k not in RANK_KEYS and k not in STRATEGY_KEYS}
     row["series"] = ", ".join([row["strategy"] or "?"] + [f"{k}={v}" for k, v in varied.items()])

@@ -119,14 +119,15 @@ class PP(Strategy):
     def _shapes(self, stage: int) -> dict[str, torch.Tensor]:
         """Each stage's input and output, given up front (meta tensors): the stage then skips
         its shape-inference pass (a real forward and backward that DDP cannot tell from a step).
-        Token ids (b, T) into stage 0; hidden states (b, T, C), fp32, between stages (the
-        residual stream stays fp32 under autocast); logits (b, T, V) out of the last."""
+        Token ids (b, T) into stage 0; hidden states (b, T, C) between stages; logits (b, T, V)
+        out of the last."""
         m = self.cfg.model
         b = self.cfg.train.global_batch_size // (
             self.dp_size * self.cfg.train.grad_accum_steps * self.microbatches)
         # requires_grad: the stage then sends (receives) the gradient of this tensor backward.
-        hidden = torch.empty(b, m.block_size, m.n_embd, device="meta", requires_grad=True)
-        logits_dtype = torch.float32 if self.precision == "fp32" else DTYPES[self.precision]
+        hidden = torch.empty(b, m.block_size, m.n_embd, dtype=self.hidden_dtype, device="meta",
+                             requires_grad=True)
+        logits_dtype = DTYPES[self.precision]
         return {
             "input_args": torch.empty(b, m.block_size, dtype=torch.long, device="meta")
             if stage == 0 else hidden,
@@ -137,6 +138,12 @@ class PP(Strategy):
     @property
     def wrapper_casts(self) -> bool:  # type: ignore[override]
         return self.dp_size > 1 and self.cfg.strategy.pp.dp == "fsdp"
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """What stages pass on: fp32 under autocast (the residual stream stays fp32), the low
+        precision itself under FSDP's MixedPrecisionPolicy (parameters and inputs are cast)."""
+        return DTYPES[self.precision] if self.wrapper_casts else torch.float32
 
     def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -208,12 +215,13 @@ class PP(Strategy):
             h = x
             for s, part in zip(self.stage_ids, self.parts, strict=True):
                 if s > 0 and self._peer(s - 1) != self.ctx.rank:
-                    h = torch.empty(*x.shape, width, device=self.ctx.device)
+                    h = torch.empty(*x.shape, width, dtype=self.hidden_dtype,
+                                    device=self.ctx.device)
                     dist.recv(h, self._peer(s - 1))
                 with self.autocast():
                     h = part(h)
                 if s < self.n_stages - 1 and self._peer(s + 1) != self.ctx.rank:
-                    dist.send(h.float().contiguous(), self._peer(s + 1))
+                    dist.send(h.to(self.hidden_dtype).contiguous(), self._peer(s + 1))
             if self.has_last:
                 totals += eval_totals(full_value(h), y, mask)
         self.reduce_sum(totals)
