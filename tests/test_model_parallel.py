@@ -187,3 +187,17 @@ def test_sweeps_take_the_strategies_and_their_meshes(tmp_path: Path) -> None:
     plans = {p.nproc_per_node: p for p in expand(spec, tmp_path, "local")}
     assert plans[2].invalid is None and plans[4].invalid is None
     assert "strategy.tp.degree=2 does not divide world_size=3" in str(plans[3].invalid)
+
+
+def test_gpt_parts_compose_to_the_whole() -> None:
+    """Pipeline stages are GPT parts: they share the GPT's parameters and keep their names."""
+    torch.manual_seed(0)
+    gpt = GPT(n_layer=3, n_head=2, n_embd=32, block_size=8, vocab_size=20).eval()
+    first, last = gpt.part(["0", "1"], True, False), gpt.part(["2"], False, True)
+    idx = torch.randint(0, 20, (2, 8))
+    hidden = first(idx)
+    assert hidden.shape == (2, 8, 32) and torch.equal(last(hidden), gpt(idx))
+    assert first.h["0"].attn.q_proj.weight is gpt.h["0"].attn.q_proj.weight
+    names = dict(first.named_parameters()).keys() | dict(last.named_parameters()).keys()
+    assert names == dict(gpt.named_parameters()).keys()
+    assert "lm_head.weight" not in dict(first.named_parameters())
