@@ -3,7 +3,8 @@
 One `dtlab compare --verify` runs single, tp on 2 ranks, pp on 2 ranks with each schedule, fsdp_tp
 on a 2x2 mesh and pp on a 2x2 mesh (pipelines of 2, replicas synchronised by DDP): per-step losses
 and the gathered final parameters agree with single within 1e-4 (relative) over 10 steps; the
-parameter bytes per rank show the split; bad meshes and models are refused with exit 2.
+parameter bytes per rank show the split; a pp checkpoint resumes under tp; bad meshes and models
+are refused with exit 2.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, cli, max_rel_dev, step_losses
+from conftest import CONFIGS, cli, max_rel_dev, step_losses, train
 
 from dtlab.cli import main
 from dtlab.compare import param_deviation, parse_spec, run_label, spec_ranks
@@ -126,6 +127,18 @@ def test_compare_specs() -> None:
                        ("tp@2x", "bad mesh shape"), ("pp:zigzag", "pp a schedule")]:
         with pytest.raises(ConfigError, match=match):
             parse_spec(bad)
+
+
+def test_checkpoints_move_between_strategies(runs: Path, session_dir: Path) -> None:
+    """A pp run's DCP checkpoint (each rank writes its own stages, under the whole model's names)
+    resumes under tp, which continues exactly as single did."""
+    a, b = session_dir / "pp-ckpt", session_dir / "tp-resumed"
+    train(a, *GPT_TINY, "strategy.name=pp", "train.checkpoint_every=5", nproc=2)
+    summary = train(b, *GPT_TINY, "strategy.name=tp", f"resume={a}/checkpoints/step_000005",
+                    "run.save_model=true", nproc=2)
+    assert summary["resumed_from"]["step"] == 5
+    assert max_rel_dev(step_losses(b), step_losses(runs / "single")[5:]) < TOL
+    assert param_deviation(b / "model.safetensors", runs / "single" / "model.safetensors") < TOL
 
 
 REFUSED = [
