@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="run several strategies on one config and tabulate them")
     p.add_argument("--strategies", default="single,ddp,fsdp,fsdp1",
-                   help="comma list; fsdp1:SHARD_GRAD_OP selects a sharding strategy")
+                   help="comma list; fsdp1:SHARD_GRAD_OP selects a sharding strategy, pp:gpipe a "
+                        "pipeline schedule, @MP or @DPxMP a mesh (fsdp_tp@2x2 runs on 4 ranks)")
     p.add_argument("--nproc-per-node", type=int, default=2, metavar="N")
     p.add_argument("--config")
     p.add_argument("--out", default="runs/compare", help="directory for the runs and compare.csv")

@@ -16,31 +16,73 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dtlab.config import SHARDING_STRATEGIES, STRATEGIES, load_config
+from dtlab.config import PP_SCHEDULES, SHARDING_STRATEGIES, STRATEGIES, load_config
+from dtlab.config.schema import MODEL_PARALLEL
 from dtlab.errors import ConfigError
 
 MiB = 1024 * 1024
 
 
+def parse_shape(spec: str, shape: str) -> tuple[int, int]:
+    """`2x2` -> (data-parallel, model-parallel) ranks; `2` -> (1, 2)."""
+    parts = shape.split("x")
+    if not 1 <= len(parts) <= 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ConfigError(
+            f"--strategies: '{spec}' has a bad mesh shape '{shape}'; fix: @MP or @DPxMP with "
+            "positive integers, e.g. fsdp_tp@2x2 (2 replicas x 2 tensor-parallel ranks)"
+        )
+    dims = [int(p) for p in parts]
+    return (1, dims[0]) if len(dims) == 1 else (dims[0], dims[1])
+
+
 def parse_spec(spec: str) -> list[str]:
-    """`fsdp1:SHARD_GRAD_OP` / `deepspeed:3` -> overrides selecting that strategy and variant."""
-    name, _, variant = spec.partition(":")
+    """A strategy spec -> the overrides selecting it.
+
+    `NAME[:VARIANT][@SHAPE]`: fsdp1 takes a sharding strategy (`fsdp1:SHARD_GRAD_OP`), pp a
+    schedule (`pp:interleaved_1f1b`), deepspeed its ZeRO stage (`deepspeed:3`); tp, fsdp_tp and pp take a mesh shape, `@MP` or `@DPxMP`
+    (`fsdp_tp@2x2`: 2 data-parallel replicas x 2 tensor-parallel ranks; see `spec_ranks`).
+    """
+    head, _, shape = spec.partition("@")
+    name, _, variant = head.partition(":")
     if name not in STRATEGIES:
         raise ConfigError(f"--strategies: unknown strategy '{name}'; fix: use {', '.join(STRATEGIES)}")
     overrides = [f"strategy.name={name}"]
-    if variant and name == "deepspeed":  # deepspeed:3 = ZeRO stage 3
-        if variant not in ("1", "2", "3"):
-            raise ConfigError(f"--strategies: '{spec}' is not valid; fix: deepspeed:1, :2 or :3 "
-                              "(the ZeRO stage)")
-        overrides.append(f"strategy.deepspeed.zero_stage={variant}")
-    elif variant:
-        if name != "fsdp1" or variant not in SHARDING_STRATEGIES:
+    if variant:
+        if name == "fsdp1" and variant in SHARDING_STRATEGIES:
+            overrides.append(f"strategy.fsdp1.sharding_strategy={variant}")
+        elif name == "pp" and variant in PP_SCHEDULES:
+            overrides.append(f"strategy.pp.schedule={variant}")
+        elif name == "deepspeed" and variant in ("1", "2", "3"):  # deepspeed:3 = ZeRO stage 3
+            overrides.append(f"strategy.deepspeed.zero_stage={variant}")
+        else:
             raise ConfigError(
-                f"--strategies: '{spec}' is not valid; fix: only fsdp1 takes a variant, one of "
-                + ", ".join(SHARDING_STRATEGIES) + " (and deepspeed: its ZeRO stage)"
+                f"--strategies: '{spec}' is not valid; fix: only fsdp1 takes a variant ("
+                + ", ".join(SHARDING_STRATEGIES) + "), pp a schedule (" + ", ".join(PP_SCHEDULES)
+                + ") and deepspeed its ZeRO stage (1, 2, 3)"
             )
-        overrides.append(f"strategy.fsdp1.sharding_strategy={variant}")
+    if shape:
+        if name not in MODEL_PARALLEL:
+            raise ConfigError(
+                f"--strategies: '{spec}': only {', '.join(MODEL_PARALLEL)} take a mesh shape; "
+                "fix: remove the @ part"
+            )
+        _, mp = parse_shape(spec, shape)
+        overrides.append(f"strategy.{'pp' if name == 'pp' else 'tp'}.degree={mp}")
     return overrides
+
+
+def spec_ranks(spec: str, default: int) -> int:
+    """Ranks a spec runs on: 1 for single, the mesh's size when it has one, else `default`."""
+    shape = spec.partition("@")[2]
+    if shape:
+        dp, mp = parse_shape(spec, shape)
+        return dp * mp
+    return 1 if spec == "single" else default
+
+
+def run_label(spec: str) -> str:
+    """The spec as a directory name."""
+    return spec.replace(":", "-").replace("@", "-")
 
 
 def read_run(run_dir: Path) -> tuple[dict[str, Any], list[float]]:
@@ -115,8 +157,8 @@ def compare(args: argparse.Namespace) -> int:
     extra = ["run.progress=false"] + (["run.log_every=1", "run.save_model=true"] if args.verify else [])
     rows, failed, results = [], [], {}
     for spec, spec_overrides in plans.items():
-        label = spec.replace(":", "-")
-        nproc = 1 if spec == "single" else args.nproc_per_node
+        label = run_label(spec)
+        nproc = spec_ranks(spec, args.nproc_per_node)
         cmd = [sys.executable, "-m", "dtlab", "train", "--nproc-per-node", str(nproc)]
         cmd += ["--config", args.config] if args.config else []
         cmd += [*args.overrides, *spec_overrides, *extra, f"run.dir={out / label}"]
@@ -134,7 +176,7 @@ def compare(args: argparse.Namespace) -> int:
         for row in rows:
             spec = row["strategy"]
             dl = loss_deviation(results[spec][1], ref_losses)
-            dp = param_deviation(out / spec.replace(":", "-") / "model.safetensors",
+            dp = param_deviation(out / run_label(spec) / "model.safetensors",
                                  out / "single" / "model.safetensors")
             row["loss_dev"], row["param_dev"] = f"{dl:.2e}", f"{dp:.2e}"
             if max(dl, dp) > args.tolerance:

@@ -82,6 +82,7 @@ def summarize(cfg: Config, ctx: DistContext, strategy: Strategy, spec: DataSpec,
     }
     if spec.kind == "tokens" and summary["samples_per_s"]:
         summary["tokens_per_s"] = summary["samples_per_s"] * spec.seq_len
+    summary.update(strategy.measurements())
     return summary
 
 

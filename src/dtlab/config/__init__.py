@@ -10,6 +10,7 @@ from dtlab.config.load import (
     valid_keys,
 )
 from dtlab.config.schema import (
+    PP_SCHEDULES,
     SHARDING_STRATEGIES,
     STRATEGIES,
     CNNConfig,
@@ -26,13 +27,14 @@ from dtlab.config.schema import (
     check_environment,
     check_world,
     data_parallel_size,
+    model_parallel_size,
 )
 from dtlab.errors import ConfigError
 
 __all__ = [
-    "SHARDING_STRATEGIES", "STRATEGIES", "CNNConfig", "Config", "ConfigError", "DataConfig", "FaultConfig",
+    "PP_SCHEDULES", "SHARDING_STRATEGIES", "STRATEGIES", "CNNConfig", "Config", "ConfigError", "DataConfig", "FaultConfig",
     "GPTConfig", "ModelConfig", "ResNetConfig", "RunConfig", "StrategyConfig", "SyntheticConfig",
     "TrainConfig", "apply_override", "check_environment", "check_world", "data_parallel_size",
-    "format_validation_error",
+    "format_validation_error", "model_parallel_size",
     "load_config", "parse_value", "read_yaml", "to_yaml", "valid_keys",
 ]

@@ -21,8 +21,11 @@ from pydantic import (
 
 from dtlab.errors import ConfigError
 
-STRATEGIES = ("single", "ddp", "fsdp", "fsdp1", "zero1", "deepspeed")
+STRATEGIES = ("single", "ddp", "fsdp", "fsdp1", "zero1", "deepspeed", "tp", "fsdp_tp", "pp")
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs")  # several stages per rank
+MODEL_PARALLEL = ("tp", "fsdp_tp", "pp")  # strategies that split the model itself (GPT only)
 
 
 class Section(BaseModel):
@@ -197,6 +200,25 @@ class DeepSpeedOptions(Section):
     shm_comm: bool = False  # DeepSpeed's shared-memory CPU collectives (compiles a C++ op)
 
 
+class TPOptions(Section):
+    """Tensor parallelism (strategies tp and fsdp_tp; src/dtlab/strategies/tp.py)."""
+
+    degree: NonNegativeInt = 0  # ranks per tensor-parallel group; 0 = every rank
+
+
+class PPOptions(Section):
+    """Pipeline parallelism (strategy pp; src/dtlab/strategies/pp.py)."""
+
+    degree: NonNegativeInt = 0  # ranks per pipeline; 0 = every rank
+    schedule: Literal[PP_SCHEDULES] = "1f1b"  # type: ignore[valid-type]
+    microbatches: PositiveInt = 4  # per micro batch (each rank's batch is split into these)
+    stages_per_rank: NonNegativeInt = 0  # 0 = 2 for interleaved_1f1b/looped_bfs, else 1
+    dp: Literal["ddp", "fsdp"] = "fsdp"  # how pipeline replicas (world / degree > 1) sync
+
+    def stages_each(self) -> int:
+        return self.stages_per_rank or (2 if self.schedule in MULTI_STAGE_SCHEDULES else 1)
+
+
 class StrategyConfig(Section):
     name: Literal[STRATEGIES] = "single"  # type: ignore[valid-type]
     sync_batchnorm: bool = False
@@ -205,6 +227,8 @@ class StrategyConfig(Section):
     fsdp1: FSDP1Options = Field(default_factory=FSDP1Options)
     zero1: Zero1Options = Field(default_factory=Zero1Options)
     deepspeed: DeepSpeedOptions = Field(default_factory=DeepSpeedOptions)
+    tp: TPOptions = Field(default_factory=TPOptions)
+    pp: PPOptions = Field(default_factory=PPOptions)
 
 
 # ------------------------------------------------------------------------------------------- run
@@ -284,9 +308,100 @@ class Config(Section):
 
 
 # -------------------------------------------------------------------------------- world checks
+def model_parallel_size(cfg: Config, world_size: int) -> int:
+    """Ranks that hold one copy of the model between them (1 for data-parallel strategies)."""
+    s = cfg.strategy
+    if s.name in ("tp", "fsdp_tp"):
+        return s.tp.degree or world_size
+    if s.name == "pp":
+        return s.pp.degree or world_size
+    return 1
+
+
 def data_parallel_size(cfg: Config, world_size: int) -> int:
     """Replicas the global batch is split over: the ranks not spent on model parallelism."""
-    return world_size
+    return max(1, world_size // model_parallel_size(cfg, world_size))
+
+
+def check_model_parallel(cfg: Config, world_size: int) -> None:
+    """tp, fsdp_tp and pp: what the mesh, the GPT and the batch must satisfy."""
+    s, t, m = cfg.strategy, cfg.train, cfg.model
+    name = s.name
+    key = "strategy.pp.degree" if name == "pp" else "strategy.tp.degree"
+    if not isinstance(m, GPTConfig):
+        raise ConfigError(
+            f"strategy.name={name} splits a GPT's layers, not model.name={m.name}; "
+            "fix: use model.name=gpt, or a data-parallel strategy (ddp, fsdp, fsdp1)"
+        )
+    degree = model_parallel_size(cfg, world_size)
+    if degree > world_size or world_size % degree:
+        raise ConfigError(
+            f"{key}={degree} does not divide world_size={world_size} into a mesh; "
+            f"fix: set {key} to a divisor of {world_size} (0 = every rank)"
+        )
+    if name == "tp" and degree != world_size:
+        raise ConfigError(
+            f"strategy.name=tp puts every rank in one tensor-parallel group, but "
+            f"strategy.tp.degree={degree} < world_size={world_size}; fix: strategy.tp.degree=0, "
+            "or strategy.name=fsdp_tp for a data-parallel dimension"
+        )
+    if m.tie_weights:
+        raise ConfigError(
+            f"model.tie_weights with strategy.name={name} is not supported (the embedding and "
+            "the head are split differently); fix: set model.tie_weights=false"
+        )
+    if t.compile or t.precision == "fp16" or cfg.run.comm_breakdown:
+        what = ("train.compile" if t.compile else
+                "train.precision=fp16" if t.precision == "fp16" else "run.comm_breakdown")
+        raise ConfigError(
+            f"{what} is not supported with strategy.name={name}; fix: turn it off "
+            "(bf16 works for precision)"
+        )
+    if name in ("tp", "fsdp_tp"):
+        for what, value in (("model.n_head", m.n_head), ("model.vocab_size", m.vocab_size),
+                            ("model.block_size", m.block_size)):
+            if value % degree:
+                raise ConfigError(
+                    f"{what}={value} is not divisible by the tensor-parallel degree {degree} "
+                    f"(heads, vocabulary and sequence are split over it); fix: choose {what} as "
+                    f"a multiple of {degree}, or a smaller strategy.tp.degree"
+                )
+        return
+    p = s.pp
+    stages = degree * p.stages_each()
+    if p.schedule not in MULTI_STAGE_SCHEDULES and p.stages_each() != 1:
+        raise ConfigError(
+            f"strategy.pp.schedule={p.schedule} runs one stage per rank, not "
+            f"strategy.pp.stages_per_rank={p.stages_per_rank}; fix: stages_per_rank=1, or "
+            "schedule=interleaved_1f1b|looped_bfs"
+        )
+    if stages > m.n_layer:
+        raise ConfigError(
+            f"{degree} ranks x strategy.pp.stages_per_rank={p.stages_each()} = {stages} pipeline "
+            f"stages, more than model.n_layer={m.n_layer} blocks; fix: fewer stages or more layers"
+        )
+    if p.schedule == "1f1b" and p.microbatches < degree:
+        raise ConfigError(
+            f"strategy.pp.schedule=1f1b needs strategy.pp.microbatches={p.microbatches} >= the "
+            f"pipeline degree {degree}; fix: raise strategy.pp.microbatches"
+        )
+    rounds = max(1, p.microbatches // degree)
+    if p.schedule == "interleaved_1f1b" and p.microbatches % rounds:
+        raise ConfigError(
+            f"strategy.pp.schedule=interleaved_1f1b needs strategy.pp.microbatches="
+            f"{p.microbatches} to be a multiple of its {rounds} rounds (microbatches // degree); "
+            f"fix: use a multiple of {degree}"
+        )
+
+
+def check_micro_batch(cfg: Config, micro: int) -> None:
+    p = cfg.strategy.pp
+    if cfg.strategy.name == "pp" and micro % p.microbatches:
+        raise ConfigError(
+            f"the micro batch of {micro} samples per pipeline (train.global_batch_size / "
+            f"(data-parallel size x train.grad_accum_steps)) does not split into "
+            f"strategy.pp.microbatches={p.microbatches}; fix: make it a multiple of {p.microbatches}"
+        )
 
 
 def check_world(cfg: Config, world_size: int, local_world_size: int | None = None) -> int:
@@ -309,6 +424,8 @@ def check_world(cfg: Config, world_size: int, local_world_size: int | None = Non
         )
     if s.name == "zero1":
         check_zero1(cfg)
+    if s.name in MODEL_PARALLEL:
+        check_model_parallel(cfg, world_size)
     dp = data_parallel_size(cfg, world_size)
     per_step = dp * t.grad_accum_steps
     if t.global_batch_size < per_step or t.global_batch_size % per_step:
@@ -327,6 +444,7 @@ def check_world(cfg: Config, world_size: int, local_world_size: int | None = Non
             )
     if s.name == "deepspeed":
         check_deepspeed(cfg, world_size)
+    check_micro_batch(cfg, t.global_batch_size // per_step)
     return t.global_batch_size // per_step
 
 

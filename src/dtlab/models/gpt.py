@@ -1,4 +1,8 @@
-"""A small GPT (decoder-only transformer, pre-norm). Each `Block` is the sharding unit."""
+"""A small GPT (decoder-only transformer, pre-norm). Each `Block` is the sharding unit.
+
+Blocks live in a ModuleDict keyed "0", "1", ... so that a pipeline stage that keeps only some of
+them (`GPT.part`) still names their parameters as the whole model does (`h.2.attn.q_proj.weight`).
+"""
 
 from __future__ import annotations
 
@@ -80,7 +84,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.h = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+        self.h = nn.ModuleDict({str(i): Block(n_embd, n_head, dropout, bias) for i in range(n_layer)})
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_weights:
@@ -101,16 +105,32 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def blocks(self) -> list[nn.Module]:
-        return list(self.h)
+        return list(self.h.values())
+
+    def part(self, blocks: list[str], first: bool, last: bool) -> GPT:
+        """A GPT made of this one's modules (the same parameters, the same names): the named
+        blocks, plus the embeddings if `first` and the final norm and head if `last`. A pipeline
+        stage is such a part; a part without embeddings takes hidden states, one without the head
+        returns them."""
+        part = GPT.__new__(GPT)
+        nn.Module.__init__(part)
+        part.block_size = self.block_size
+        part.wte, part.wpe, part.drop = (self.wte, self.wpe, self.drop) if first else (None,) * 3
+        part.h = nn.ModuleDict({k: self.h[k] for k in blocks})
+        part.ln_f, part.lm_head = (self.ln_f, self.lm_head) if last else (None, None)
+        return part
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        if idx.dim() != 2 or idx.dtype != torch.long or idx.shape[1] > self.block_size:
-            raise ValueError(
-                f"GPT expects a (batch, seq<={self.block_size}) tensor of token ids (int64), "
-                f"got {tuple(idx.shape)} {idx.dtype}"
-            )
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.h:
+        if self.wte is None:  # a pipeline stage after the first: `idx` holds hidden states
+            x = idx
+        else:
+            if idx.dim() != 2 or idx.dtype != torch.long or idx.shape[1] > self.block_size:
+                raise ValueError(
+                    f"GPT expects a (batch, seq<={self.block_size}) tensor of token ids (int64), "
+                    f"got {tuple(idx.shape)} {idx.dtype}"
+                )
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h.values():
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return x if self.lm_head is None else self.lm_head(self.ln_f(x))

@@ -16,7 +16,8 @@ from typing import Any
 from dtlab.errors import DtlabError
 
 RANK_KEYS = ("nproc_per_node", "nnodes")  # the x axis, not a series
-STRATEGY_KEYS = ("strategy.name", "strategy.fsdp1.sharding_strategy", "strategy.deepspeed.zero_stage")
+STRATEGY_KEYS = ("strategy.name", "strategy.fsdp1.sharding_strategy", "strategy.deepspeed.zero_stage",
+                 "strategy.pp.schedule")
 COLUMNS = [
     "series", "strategy", "world_size", "nnodes", "status", "reason", "model", "n_params", "data",
     "precision", "global_batch_size", "micro_batch_size", "grad_accum_steps", "steps",
@@ -36,7 +37,11 @@ def strategy_label(summary: dict[str, Any]) -> str:
         return f"fsdp1:{options['sharding_strategy']}"
     if name == "deepspeed" and options.get("zero_stage"):
         return f"deepspeed:{options['zero_stage']}"  # as `dtlab compare --strategies` names it
-    return name
+    label = f"pp:{options.get('schedule', '1f1b')}" if name == "pp" else name
+    mesh = options.get("mesh") or {}
+    if len(mesh) == 2 and list(mesh.values())[0] > 1:  # model parallel with replicas: DPxMP
+        label += "@{}x{}".format(*mesh.values())
+    return label
 
 
 def row_from_run(run_dir: Path, root: Path) -> dict[str, Any]:
@@ -63,6 +68,10 @@ def row_from_run(run_dir: Path, root: Path) -> dict[str, Any]:
         key=rec.get("key", ""),
         source=str(run_dir.relative_to(root)) if run_dir != root else ".",
     )
+    pipe = s.get("pipeline")
+    if pipe:  # strategy pp: the measured bubble next to the theory
+        row.update({f"pp_{k}": pipe[k] for k in ("microbatches", "stages_per_rank",
+                                                 "bubble_measured", "bubble_theory")})
     varied = {k: v for k, v in rec.get("combo", {}).items()
               if k not in RANK_KEYS and k not in STRATEGY_KEYS}
     row["series"] = ", ".join([row["strategy"] or "?"] + [f"{k}={v}" for k, v in varied.items()])

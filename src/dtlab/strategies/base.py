@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from dtlab.config import Config
 from dtlab.data import EvalLoader
@@ -120,12 +121,14 @@ class Strategy:
         return torch.amp.GradScaler(self.ctx.device.type)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        # DTensor gradients (FSDP2, TP): the norm is computed over all shards (a DTensor result).
+        return full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """The global gradient norm, without clipping. Replicated gradients: a local computation."""
+        """The global gradient norm, without clipping. Replicated gradients: a local computation;
+        DTensor gradients: the DTensor's full value reduces over the shards."""
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        return full_value(torch.nn.utils.get_total_norm(grads)) if grads else torch.zeros(())
 
     # --- metrics and evaluation ------------------------------------------------------------
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -143,7 +146,7 @@ class Strategy:
         totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # loss, correct, count
         for x, y, mask in loader:
             with self.autocast():
-                logits = forward(x)
+                logits = full_value(forward(x))  # TP: vocabulary-sharded logits, gathered
             totals += eval_totals(logits, y, mask)
         # What each rank would report without the reduction: its own share of the samples.
         own = self.ctx.gather_floats([totals[1].item() / max(totals[2].item(), 1), totals[2].item()])
@@ -181,6 +184,15 @@ class Strategy:
     def describe(self) -> dict[str, Any]:
         """The options that define this strategy's behaviour, for summary.json."""
         return {}
+
+    def measurements(self) -> dict[str, Any]:
+        """What this strategy measured itself, for summary.json (every rank calls it)."""
+        return {}
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full (unsharded, reduced) value; a plain tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def eval_totals(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

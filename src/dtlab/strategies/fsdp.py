@@ -13,10 +13,39 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from dtlab.config.schema import FSDPOptions
 from dtlab.strategies.base import DTYPES, Strategy
+
+
+def shard(model: nn.Module, mesh: DeviceMesh, o: FSDPOptions, precision: str,
+          device: torch.device) -> nn.Module:
+    """fully_shard each block, then the root (what remains), over `mesh` (1-D)."""
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": o.reshard_after_forward}
+    if precision != "fp32":
+        dtype = DTYPES[precision]
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=dtype, reduce_dtype=torch.float32 if o.reduce_fp32 else dtype
+        )
+    if o.cpu_offload:
+        # Pinned host memory needs an accelerator; on a CPU-only run pinning would fail.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for block in model.blocks():
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+@contextmanager
+def without_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulation micro steps: gradients stay unreduced until the last one."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 class FSDP(Strategy):
@@ -25,42 +54,12 @@ class FSDP(Strategy):
     sharded_grads = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        o = self.cfg.strategy.fsdp
-        model = self.prepare(model)
         mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
-        kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": o.reshard_after_forward}
-        if self.precision != "fp32":
-            dtype = DTYPES[self.precision]
-            kwargs["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=dtype, reduce_dtype=torch.float32 if o.reduce_fp32 else dtype
-            )
-        if o.cpu_offload:
-            # Pinned host memory needs an accelerator; on a CPU-only run pinning would fail.
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.ctx.device.type == "cuda")
-        for block in model.blocks():
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        return model
-
-    @contextmanager
-    def _without_sync(self, model: nn.Module) -> Iterator[None]:
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
+        return shard(self.prepare(model), mesh, self.cfg.strategy.fsdp, self.precision,
+                     self.ctx.device)
 
     def no_sync(self, model: nn.Module) -> Any:
-        return self._without_sync(model)
-
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        # The gradients are DTensors: the norm is computed over all shards (a DTensor result).
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-    def grad_norm(self, model: nn.Module) -> torch.Tensor:
-        norm = super().grad_norm(model)  # a DTensor: its full value reduces over the shards
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return without_gradient_sync(model)
 
     def describe(self) -> dict[str, Any]:
         return self.cfg.strategy.fsdp.model_dump()

@@ -1,0 +1,271 @@
+"""Pipeline parallelism for the GPT (`pp`), with `torch.distributed.pipelining`.
+
+The GPT's blocks are split by hand into S = degree x stages_per_rank contiguous stages (as even as
+possible); stage 0 also holds the embeddings, the last stage the final norm and head. Stage s runs
+on pipeline rank s % degree (one stage per rank for gpipe and 1f1b; several, looping, for
+interleaved_1f1b and looped_bfs). A stage is a `GPT.part`: it shares the GPT's modules, so each
+rank's model keeps the whole model's parameter names for what it holds, and holds nothing else.
+
+Each rank's micro batch is split into `microbatches`; the schedule sends activations forward and
+their gradients backward point-to-point between neighbouring stages. Only the last stage computes
+losses. With world size > degree the ranks form a mesh (dp, pp) and the replicas of each stage
+synchronise with FSDP2 or DDP over dp (`strategy.pp.dp`).
+
+The pipeline bubble is measured: each stage's forward and backward calls are timed (busy time);
+the bubble is 1 - busy / wall time of the schedule's step, per rank, against the theory
+(p - 1) / (v m + p - 1) for p ranks, v stages per rank and m microbatches (equal stage costs).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from dtlab.config import Config, model_parallel_size
+from dtlab.data import EvalLoader
+from dtlab.distributed import DistContext
+from dtlab.models import loss_fn
+from dtlab.strategies.base import DTYPES, LossHook, Strategy, eval_totals, full_value
+from dtlab.strategies.fsdp import shard
+
+SCHEDULES: dict[str, Any] = {
+    "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B, "looped_bfs": ScheduleLoopedBFS,
+}
+
+
+def split_blocks(n_layer: int, n_stages: int) -> list[list[str]]:
+    """Contiguous block names per stage, sizes differing by at most one."""
+    return [[str(b) for b in range(s * n_layer // n_stages, (s + 1) * n_layer // n_stages)]
+            for s in range(n_stages)]
+
+
+class PP(Strategy):
+    name = "pp"
+
+    def __init__(self, cfg: Config, ctx: DistContext) -> None:
+        super().__init__(cfg, ctx)
+        o = cfg.strategy.pp
+        self.degree = model_parallel_size(cfg, ctx.world_size)
+        self.per_rank, self.microbatches = o.stages_each(), o.microbatches
+        self.n_stages = self.degree * self.per_rank
+        self.mesh = init_device_mesh(ctx.device.type, (ctx.world_size // self.degree, self.degree),
+                                     mesh_dim_names=("dp", "pp"))
+        self.pp_group = self.mesh.get_group("pp")
+        self.pp_rank = self.mesh["pp"].get_local_rank()
+        self.stage_ids = [self.pp_rank + i * self.degree for i in range(self.per_rank)]
+        self.has_first, self.has_last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
+        self.busy_s = 0.0
+        self.timings: list[tuple[float, float]] = []  # (busy, wall) of each schedule step
+        self._hook: LossHook | None = None
+        self._reports: list[torch.Tensor] = []
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh["dp"].size()
+
+    # --- splitting ------------------------------------------------------------------------
+    def wrap(self, model: nn.Module) -> nn.Module:
+        model = self.prepare(model)
+        self.blocks = split_blocks(len(model.h), self.n_stages)
+        last = self.n_stages - 1
+        mine = [b for s in self.stage_ids for b in self.blocks[s]]
+        # This rank's model: its blocks (+ embeddings / head), the rest of the GPT is dropped.
+        held = model.part(mine, self.has_first, self.has_last)
+        parts: list[nn.Module] = [held.part(self.blocks[s], s == 0, s == last)
+                                  for s in self.stage_ids]
+        if self.dp_size > 1:
+            if self.cfg.strategy.pp.dp == "fsdp":
+                parts = [shard(p, self.mesh["dp"], self.cfg.strategy.fsdp, self.precision,
+                               self.ctx.device) for p in parts]
+            else:
+                dev = self.ctx.device
+                parts = [DistributedDataParallel(
+                    p, device_ids=[dev.index] if dev.type == "cuda" else None,
+                    process_group=self.mesh.get_group("dp")) for p in parts]
+        self.parts = parts
+        stages = [PipelineStage(p, s, self.n_stages, self.ctx.device, group=self.pp_group,
+                                **self._shapes(s))
+                  for p, s in zip(parts, self.stage_ids, strict=True)]
+        for stage in stages:
+            for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, method, self._timed(getattr(stage, method)))
+        cls = SCHEDULES[self.cfg.strategy.pp.schedule]
+        # scale_grads=False: the loss below is divided by the microbatches instead (dividing the
+        # gradients after the step would also divide earlier accumulation micro steps' share).
+        self.schedule = cls(stages if cls in (ScheduleInterleaved1F1B, ScheduleLoopedBFS)
+                            else stages[0], n_microbatches=self.microbatches,
+                            loss_fn=self._loss, scale_grads=False)
+        return held
+
+    def _shapes(self, stage: int) -> dict[str, torch.Tensor]:
+        """Each stage's input and output, given up front (meta tensors): the stage then skips
+        its shape-inference pass (a real forward and backward that DDP cannot tell from a step).
+        Token ids (b, T) into stage 0; hidden states (b, T, C) between stages; logits (b, T, V)
+        out of the last."""
+        m = self.cfg.model
+        b = self.cfg.train.global_batch_size // (
+            self.dp_size * self.cfg.train.grad_accum_steps * self.microbatches)
+        # requires_grad: the stage then sends (receives) the gradient of this tensor backward.
+        hidden = torch.empty(b, m.block_size, m.n_embd, dtype=self.hidden_dtype, device="meta",
+                             requires_grad=True)
+        logits_dtype = DTYPES[self.precision]
+        return {
+            "input_args": torch.empty(b, m.block_size, dtype=torch.long, device="meta")
+            if stage == 0 else hidden,
+            "output_args": torch.empty(b, m.block_size, m.vocab_size, dtype=logits_dtype,
+                                       device="meta") if stage == self.n_stages - 1 else hidden,
+        }
+
+    @property
+    def wrapper_casts(self) -> bool:  # type: ignore[override]
+        return self.dp_size > 1 and self.cfg.strategy.pp.dp == "fsdp"
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """What stages pass on: fp32 under autocast (the residual stream stays fp32), the low
+        precision itself under FSDP's MixedPrecisionPolicy (parameters and inputs are cast)."""
+        return DTYPES[self.precision] if self.wrapper_casts else torch.float32
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self.ctx.synchronize()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ctx.synchronize()
+                self.busy_s += time.perf_counter() - t0
+        return timed
+
+    # --- the step ------------------------------------------------------------------------
+    def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Each microbatch's loss on the last stage: its share of the micro batch's mean."""
+        assert self._hook is not None
+        report, root = self._hook(loss_fn(logits, y))
+        self._reports.append(report.detach())
+        return root / self.microbatches
+
+    def forward_backward(self, forward: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                         loss_hook: LossHook) -> torch.Tensor:
+        self._hook, self._reports = loss_hook, []
+        args = (x,) if self.has_first else ()
+        self.busy_s = 0.0
+        self.ctx.synchronize()
+        t0 = time.perf_counter()
+        with self.autocast():
+            self.schedule.step(*args, target=y if self.has_last else None, return_outputs=False)
+        self.ctx.synchronize()
+        self.timings.append((self.busy_s, time.perf_counter() - t0))
+        if not self._reports:  # not the last stage: no loss here (reduce_sum counts it as 0)
+            return torch.zeros((), device=self.ctx.device)
+        return torch.stack(self._reports).sum() / self.microbatches
+
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """sqrt of the sum over the pipeline's stages of each stage's squared norm (the same value
+        on every rank); FSDP's DTensor norms are first reduced over dp by full_value."""
+        squared = super().grad_norm(model).to(self.ctx.device, torch.float64) ** 2
+        dist.all_reduce(squared, group=self.pp_group)
+        return squared.sqrt().float()
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        norm = self.grad_norm(model)
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+        return norm
+
+    # --- metrics and evaluation ------------------------------------------------------------
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over replicas of the last stage's value: the other stages contribute zeros."""
+        if not self.has_last:
+            tensor.zero_()
+        dist.all_reduce(tensor)
+        return tensor
+
+    def _peer(self, stage: int) -> int:
+        return dist.get_global_rank(self.pp_group, stage % self.degree)
+
+    @torch.no_grad()
+    def evaluate(self, forward: nn.Module, loader: EvalLoader) -> dict[str, Any]:
+        """Every evaluation batch goes through the stages in order, whole (no microbatches, no
+        schedule: evaluation batches may differ in size from training's), activations sent
+        point-to-point to the next stage's rank."""
+        for p in self.parts:
+            p.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
+        width = self.cfg.model.n_embd
+        for x, y, mask in loader:
+            h = x
+            for s, part in zip(self.stage_ids, self.parts, strict=True):
+                if s > 0 and self._peer(s - 1) != self.ctx.rank:
+                    h = torch.empty(*x.shape, width, dtype=self.hidden_dtype,
+                                    device=self.ctx.device)
+                    dist.recv(h, self._peer(s - 1))
+                with self.autocast():
+                    h = part(h)
+                if s < self.n_stages - 1 and self._peer(s + 1) != self.ctx.rank:
+                    dist.send(h.to(self.hidden_dtype).contiguous(), self._peer(s + 1))
+            if self.has_last:
+                totals += eval_totals(full_value(h), y, mask)
+        self.reduce_sum(totals)
+        for p in self.parts:
+            p.train()
+        loss_sum, correct, count = totals.tolist()
+        return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_count": int(count)}
+
+    # --- state ---------------------------------------------------------------------------
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                   full: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+        """full=True: every stage's full state, gathered over the pipeline (the same names as the
+        whole GPT's); full=False: this rank's own (DCP checkpoints merge the ranks' keys)."""
+        model_sd, optim_sd = super().state_dict(model, optimizer, full)
+        if not full:
+            return model_sd, optim_sd
+        if optimizer is not None:
+            raise NotImplementedError("pp: a full optimizer state is not gathered")
+        parts: list[Any] = [None] * self.degree
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in model_sd.items()},
+                               group=self.pp_group)
+        return {k: v for part in parts for k, v in part.items()}, {}
+
+    def describe(self) -> dict[str, Any]:
+        o = self.cfg.strategy.pp
+        return {"mesh": {"dp": self.dp_size, "pp": self.degree}, "schedule": o.schedule,
+                "microbatches": o.microbatches, "stages_per_rank": self.per_rank,
+                "dp": o.dp if self.dp_size > 1 else "none"}
+
+    def measurements(self) -> dict[str, Any]:
+        """The pipeline bubble, measured per rank over the timed steps, and the theory."""
+        warm = self.cfg.run.timing_warmup_steps * self.cfg.train.grad_accum_steps
+        timed = self.timings[warm:] or self.timings
+        busy, wall = sum(b for b, _ in timed), sum(w for _, w in timed)
+        per_rank = self.ctx.gather_floats([busy / max(len(timed), 1), wall / max(len(timed), 1)])
+        bubbles = [1 - b / w if w else 0.0 for b, w in per_rank]
+        p, v, m = self.degree, self.per_rank, self.microbatches
+        return {"pipeline": {
+            "schedule": self.cfg.strategy.pp.schedule, "ranks": p, "stages_per_rank": v,
+            "stages": self.n_stages, "microbatches": m,
+            "blocks_per_stage": [len(b) for b in self.blocks],
+            "bubble_theory": (p - 1) / (v * m + p - 1),
+            "bubble_measured": sum(bubbles) / len(bubbles),
+            "bubble_measured_per_rank": bubbles,
+            "busy_s_per_step_per_rank": [b for b, _ in per_rank],
+            "wall_s_per_step_per_rank": [w for _, w in per_rank],
+        }}
