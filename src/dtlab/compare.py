@@ -58,7 +58,7 @@ def parse_spec(spec: str) -> list[str]:
             raise ConfigError(
                 f"--strategies: '{spec}' is not valid; fix: only fsdp1 takes a variant ("
                 + ", ".join(SHARDING_STRATEGIES) + "), pp a schedule (" + ", ".join(PP_SCHEDULES)
-                + ") and deepspeed its ZeRO stage (1, 2, 3)"
+                + ") and deepspeed its ZeRO stage (deepspeed:1, :2 or :3)"
             )
     if shape:
         if name not in MODEL_PARALLEL:
