@@ -181,10 +181,28 @@ def check_zero(w: Path, out: dict[str, str]) -> None:
     assert summary(w, "runs/guide/zero3-offload")["steps"] == 10
 
 
+def check_model_parallel(w: Path, out: dict[str, str]) -> None:
+    assert "verify passed" in output_of(out, "dtlab compare")
+    rows = {r["strategy"]: r for r in json.loads((w / "runs/guide/mp/compare.json").read_text())}
+    assert {k: r["param_mib"] for k, r in rows.items()} == {
+        "single": 3.306, "tp": 1.659, "fsdp_tp@2x2": 0.83, "pp:gpipe": 1.668, "pp:1f1b": 1.668,
+        "pp:interleaved_1f1b": 1.668}
+    assert all(float(r["loss_dev"]) < 1.8e-7 and float(r["param_dev"]) < 1.5e-6
+               for r in rows.values())
+    for m, theory in [(2, 1 / 3), (4, 0.2), (8, 1 / 9)]:
+        pipe = summary(w, f"runs/guide/pp-m{m}")["pipeline"]
+        assert pipe["bubble_theory"] == pytest.approx(theory)
+        assert 0 < pipe["bubble_measured"] < 1
+    assert "strategy.tp.degree=3 does not divide world_size=2" in output_of(out, "degree=3")
+    assert "model.n_head=3 is not divisible by the tensor-parallel degree 2" in output_of(
+        out, "n_head=3")
+
+
 CHECKS: dict[str, Callable[[Path, dict[str, str]], None]] = {
     "02-ddp.md": check_ddp,
     "03-fsdp.md": check_fsdp,
     "04-zero.md": check_zero,
+    "05-model-parallel.md": check_model_parallel,
     "06-multi-node.md": check_multi_node,
     "07-communication.md": check_communication,
     "08-failure-modes.md": check_failure_modes,
