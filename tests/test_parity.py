@@ -37,7 +37,7 @@ def test_deviation_measures(tmp_path: Path) -> None:
     assert param_deviation(tmp_path / "c", tmp_path / "b") == float("inf")  # a missing tensor
     assert parse_spec("fsdp1:HYBRID_SHARD") == [
         "strategy.name=fsdp1", "strategy.fsdp1.sharding_strategy=HYBRID_SHARD"]
-    with pytest.raises(ConfigError, match="only fsdp1 takes a variant .* and pp a schedule"):
+    with pytest.raises(ConfigError, match="only fsdp1 takes a variant .*, pp a schedule .* and deepspeed its ZeRO stage"):
         parse_spec("ddp:FULL_SHARD")
 
 
