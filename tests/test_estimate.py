@@ -3,6 +3,7 @@ the activation model against autograd, communication volumes, advice and bad inp
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from dtlab.comm.breakdown import analytic_bytes
 from dtlab.comm.model import fit, predict
 from dtlab.config import load_config
 from dtlab.data import spec_for
-from dtlab.estimate import activations, comm, layout, memory
+from dtlab.estimate import activations, comm, deepspeed_layout, layout, memory
 from dtlab.estimate.advise import advise
 from dtlab.estimate.core import Setup, estimate, model_from_config, model_from_size
 from dtlab.estimate.measure import batch, saved_bytes
@@ -110,6 +111,28 @@ RUNS = [
     ("gpt-fsdp1-hybrid", [*GPT, "strategy.name=fsdp1", "strategy.fsdp1.sharding_strategy=HYBRID_SHARD",
                           "strategy.fsdp1.shard_group_size=1"]),
 ]
+# DeepSpeed ZeRO (deepspeed_layout.py), trained last in the same process group: every stage on
+# both models, bf16, optimizer and parameter offload, and gradient accumulation (ZeRO 1 holds
+# every gradient whole between micro batches, ZeRO 2 with offload per-tensor host accumulators).
+HAS_DS = importlib.util.find_spec("deepspeed") is not None
+needs_ds = pytest.mark.skipif(not HAS_DS, reason="deepspeed not installed: "
+                              "pip install 'dtlab[deepspeed]' (make test installs it)")
+DS = ["strategy.name=deepspeed"]
+DS_RUNS = [
+    ("cnn-ds1", [*CNN, *DS, "strategy.deepspeed.zero_stage=1"]),
+    ("cnn-ds2", [*CNN, *DS, "strategy.deepspeed.zero_stage=2"]),
+    ("cnn-ds3", [*CNN, *DS, "strategy.deepspeed.zero_stage=3"]),
+    ("gpt-ds1-accum", [*GPT, *DS, "strategy.deepspeed.zero_stage=1", "train.grad_accum_steps=2"]),
+    ("gpt-ds2", [*GPT, *DS, "strategy.deepspeed.zero_stage=2"]),
+    ("gpt-ds3", [*GPT, *DS, "strategy.deepspeed.zero_stage=3"]),
+    ("gpt-ds3-bf16", [*GPT, *DS, "strategy.deepspeed.zero_stage=3", "train.precision=bf16"]),
+    ("gpt-ds2-offload-accum", [*GPT, *DS, "strategy.deepspeed.zero_stage=2",
+                               "strategy.deepspeed.offload_optimizer=true",
+                               "train.grad_accum_steps=2"]),
+    ("gpt-ds3-offload", [*GPT, *DS, "strategy.deepspeed.zero_stage=3",
+                         "strategy.deepspeed.offload_optimizer=true",
+                         "strategy.deepspeed.offload_param=true"]),
+]
 SHORT = ["train.max_steps=3", "train.global_batch_size=8", "data.synthetic.train_samples=64",
          "data.synthetic.val_samples=16", "run.progress=false", "run.log_every=100"]
 
@@ -122,7 +145,7 @@ def train_all(rank: int, port: int, root: str) -> None:
     env = DistEnv(rank, rank, 2, 2, "127.0.0.1", port, "torchrun")
     measured = {}
     with distributed(timeout_s=120, env=env) as ctx:
-        for label, overrides in RUNS:
+        for label, overrides in RUNS + (DS_RUNS if HAS_DS else []):
             cfg = load_config(None, [*overrides, *SHORT, f"run.dir={root}/{label}"])
             measured[label] = train(cfg, ctx)["memory_per_rank"]
             dist.barrier()
@@ -138,7 +161,11 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads((root / "measured.json").read_text())
 
 
-@pytest.mark.parametrize("label, overrides", RUNS, ids=[r[0] for r in RUNS])
+ALL_RUNS = [pytest.param(*run, id=run[0]) for run in RUNS] + [
+    pytest.param(*run, marks=needs_ds, id=run[0]) for run in DS_RUNS]
+
+
+@pytest.mark.parametrize("label, overrides", ALL_RUNS)
 def test_exact_state_equals_measured(measured: dict, label: str, overrides: list[str]) -> None:
     mem = measured[label]
     est = layout.exact_state(load_config(None, overrides), 2, ranks_per_node=2)
@@ -146,6 +173,87 @@ def test_exact_state_equals_measured(measured: dict, label: str, overrides: list
         for key in ("param_bytes", "grad_bytes", "optim_bytes"):
             got, want = mem[key][rank], est[rank][key]
             assert abs(got - want) <= 0.01 * got, f"{label} rank {rank} {key}: {want} vs {got}"
+
+
+@needs_ds
+@pytest.mark.parametrize("label, overrides", DS_RUNS, ids=[r[0] for r in DS_RUNS])
+def test_deepspeed_layout_is_exact_to_the_byte(measured: dict, label: str,
+                                               overrides: list[str]) -> None:
+    """The same, byte for byte, and DeepSpeed's buckets and staging buffers too (its scalars,
+    norms and flags, are not modelled: at most a few hundred bytes)."""
+    mem = measured[label]
+    est = layout.exact_state(load_config(None, overrides), 2)
+    for rank in range(2):
+        for key in ("param_bytes", "grad_bytes", "optim_bytes"):
+            assert mem[key][rank] == est[rank][key], f"{label} rank {rank} {key}"
+        assert 0 <= mem["buffer_bytes"][rank] - est[rank]["buffer_bytes"] <= 512
+
+
+@needs_ds
+def test_deepspeed_is_not_the_textbook_zero(measured: dict) -> None:
+    """What the exact layout captures that P/n arithmetic misses (P: fp32 parameter bytes)."""
+    p = 4 * sum(t.numel for t in layout.as_tensors(layout.unique_params(
+        layout.meta_model(load_config(None, GPT)))))
+    ds2, ds3 = measured["gpt-ds2"], measured["gpt-ds3"]
+    assert ds2["optim_bytes"] == [3 * p // 2 + 4] * 2  # fp32 master + AdamW moments, / 2
+    assert ds2["grad_bytes"][0] != ds2["grad_bytes"][1] and min(ds2["grad_bytes"]) > p // 2
+    assert ds3["param_bytes"] == [3 * p // 2] * 2  # every GPT tensor is below 100,000 elements
+    assert measured["gpt-ds3-bf16"]["param_bytes"] == [3 * p // 4] * 2
+    assert ds3["buffer_bytes"][0] >= 500_000_000 * 4  # the reduce bucket, allocated up front
+    assert measured["gpt-ds1-accum"]["grad_bytes"] == [p, p]  # whole between micro batches
+
+
+@needs_ds
+def test_estimate_command_prints_the_exact_deepspeed_rows(
+        measured: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    from dtlab.cli import main
+
+    stages = ["deepspeed:1", "deepspeed:2", "deepspeed:3"]
+    assert main(["estimate", *GPT, "--world-size", "2", "--strategies", ",".join(stages),
+                 "--json"]) == 0
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    for spec, label in zip(stages, ["gpt-ds1-accum", "gpt-ds2", "gpt-ds3"], strict=True):
+        row = rows[spec]
+        assert row["exact"] and row["layout"] == f"zero{spec[-1]}"
+        mem = measured[label]
+        for rank, held in enumerate(row["per_rank"]):
+            for key in ("param_bytes", "optim_bytes") + (("grad_bytes",) if spec != stages[0] else ()):
+                assert held[key] == mem[key][rank], f"{spec} rank {rank} {key}"
+        assert 3 * row["master"] + 4 == mem["optim_bytes"][0]  # fp32 master, shown apart
+    assert rows["deepspeed:3"]["temporaries"]["buffers"] == 4 * 500_000_000
+    assert main(["estimate", *GPT, "--world-size", "2", "--strategies", "deepspeed:2"]) == 0
+    assert "deepspeed:2 per rank (param, grad, optim bytes): 459520, 233216, 689284; " \
+        "459520, 291840, 689284" in capsys.readouterr().out
+
+
+def test_deepspeed_rules_on_paper() -> None:
+    """Without DeepSpeed: the partition rules on sizes chosen so that every branch matters."""
+    # stage 1/2: 3 tensors (10, 7, 4) = 21 elements, padded to 24 (2 x 4 ranks): slices of 6
+    numels = [10, 7, 4]
+    grads = [deepspeed_layout.slice_grad_elements(numels, 6, r) for r in range(4)]
+    # rank 0: only the 10 (elements 0-5); rank 1: 10 (6-9) and 7 (10-11); rank 2: 7 (12-16),
+    # 4 (17); rank 3: 4 (18-20) and 3 elements of padding
+    assert grads == [(10, 0), (17, 0), (11, 0), (4, 3)]
+    assert deepspeed_layout.slice_grad_elements([4], 4, 1) == (0, 4)  # all padding
+    o = deepspeed_layout.ZeroOptions(stage=3, persistence_threshold=5, sub_group_size=4)
+    assert deepspeed_layout.persistent(numels, o) == [False, False, True]
+    stage3 = deepspeed_layout.stage3(numels, o, 4, 4, "adamw", 0.0)[0]
+    parts = 3 + 2 + 1  # ceil(n / 4) each
+    assert stage3["param_bytes"] == 4 * (parts + 4)  # + the persistent 4, gathered
+    assert stage3["optim_bytes"] == 4 * parts + 8 * parts + 4 * 2  # 2 sub groups of >= 4
+
+
+def test_deepspeed_knob_without_a_layout_is_refused(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from dtlab.cli import main
+
+    ds_json = tmp_path / "rr.json"
+    ds_json.write_text('{"zero_optimization": {"stage": 2, "round_robin_gradients": true}}')
+    assert main(["estimate", "--world-size", "2", "--strategies", "deepspeed",
+                 "strategy.name=deepspeed", f"strategy.deepspeed.config={ds_json}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert "round_robin_gradients=true: no exact layout" in err
 
 
 def test_sharding_changes_the_measured_bytes(measured: dict) -> None:

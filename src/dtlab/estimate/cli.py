@@ -225,7 +225,8 @@ COLUMNS = [("strategy", "strategy"), ("params", "params"), ("grads", "grads"),
            ("time", "comm ms")]
 
 LEGEND = ("per rank, {u}: params/grads/master/optim = training state (state = their sum); temp = "
-          "all-gathered units and unsharded gradients during a step; activ = activation peak in "
+          "all-gathered units and unsharded gradients during a step (deepspeed: + its reduce buckets "
+          "and offload staging buffers, exact); activ = activation peak in "
           "backward (activations.py); total = device memory at the peak (state not offloaded + "
           "temp + activ); host = offloaded state; comm/step = ring traffic sent per rank per step; "
           "comm ms = its predicted time, not overlapped")

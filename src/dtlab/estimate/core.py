@@ -98,6 +98,8 @@ def precision_of(cfg: Config) -> Precision:
     p = cfg.train.precision
     if p == "fp32":
         return PRECISIONS["fp32"]
+    if cfg.strategy.name == "deepspeed":  # 16-bit working weights, fp32 master (ZeRO paper's)
+        return PRECISIONS[p]
     prec = PRECISIONS[f"{p}-autocast"]
     s = cfg.strategy
     options = {"fsdp": s.fsdp, "fsdp1": s.fsdp1}.get(s.name)
@@ -136,9 +138,12 @@ def estimate(setup: Setup, token: str) -> dict[str, Any]:
         plan, cfg, per_rank, reshard, wrapper_casts = exact
         precision = precision_of(cfg)
         held = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
-        state = memory.State(held["param_bytes"], held["grad_bytes"], 0.0, held["optim_bytes"],
-                             0.0)
-        if plan.offload:
+        master = held.get("master_bytes", 0)  # DeepSpeed: inside optim_bytes, shown apart
+        state = memory.State(held["param_bytes"], held["grad_bytes"], master,
+                             held["optim_bytes"] - master, 0.0)
+        if "host_bytes" in held:  # DeepSpeed: what its offload puts in host memory
+            state = replace(state, offloaded=held["host_bytes"])
+        elif plan.offload:
             state = replace(state, offloaded=state.total)  # FSDP offloads all of its shards
         torch_zero1 = cfg.strategy.name == "zero1"
     else:
@@ -146,13 +151,21 @@ def estimate(setup: Setup, token: str) -> dict[str, Any]:
         precision, per_rank, reshard, torch_zero1 = setup.precision, None, True, False
         wrapper_casts = plan.kind == "zero3"
         state = memory.state_per_rank(m.n_params, plan, precision, setup.optimizer, world)
+    deepspeed = exact is not None and exact[1].strategy.name == "deepspeed"
     temps = memory.temporaries(m.n_params, max(m.units, default=0.0), m.root, plan, precision, world,
-                               gathers_all=exact is not None and plan.kind == "zero2")
+                               gathers_all=exact is not None and plan.kind == "zero2"
+                               and not deepspeed)
+    host_buffers = 0.0
+    if deepspeed:  # its buckets and staging buffers, allocated whatever the model size
+        temps["buffers"] = held["buffer_bytes"] - held["host_buffer_bytes"]
+        temps["backward_buckets"] = held["backward_buffer_bytes"]
+        host_buffers = held["host_buffer_bytes"]
     row: dict[str, Any] = {
         "strategy": token, "layout": plan.kind + ("+offload" if plan.offload else ""),
         "shards": plan.shards(world), "exact": exact is not None,
         "params": state.params, "grads": state.grads, "master": state.master,
-        "optimizer": state.optimizer, "state": state.total, "host": state.offloaded,
+        "optimizer": state.optimizer, "state": state.total,
+        "host": state.offloaded + host_buffers,
         "temporaries": temps,
     }
     if per_rank is not None:
@@ -194,9 +207,10 @@ def exact_strategy(setup: Setup, token: str) -> tuple[Plan, Config, list, bool, 
         group = s.fsdp1.shard_group_size or setup.ranks_per_node
     offload = (s.name == "fsdp" and s.fsdp.cpu_offload) or (s.name == "fsdp1" and s.fsdp1.cpu_offload)
     reshard = kind != "zero2"
-    plan = Plan(kind, offload, group, token)
     device = "cuda" if setup.backend == "nccl" else "cpu"
     per_rank = layout.exact_state(cfg, setup.world, setup.ranks_per_node, device)
+    offload = offload or any(r.get("host_bytes") for r in per_rank)  # DeepSpeed's offload
+    plan = Plan(kind, offload, group, token)
     return plan, cfg, per_rank, reshard, REGISTRY[s.name].wrapper_casts
 
 

@@ -18,6 +18,7 @@ the model built on the meta device and the layout rules of each wrapper in the i
   multiple of the shard count; each rank holds one contiguous 1/s of it. A rank's original
   parameters are views into its shard; those with no element in it have no gradient and no
   optimizer state.
+- deepspeed (ZeRO 1/2/3): deepspeed_layout.py.
 """
 
 from __future__ import annotations
@@ -234,6 +235,10 @@ def layout_kind(cfg: Config) -> str:
                 "NO_SHARD": "ddp"}[s.fsdp1.sharding_strategy]
     if s.name == "zero1":
         return "zero1"
+    if s.name == "deepspeed":
+        from dtlab.estimate.deepspeed_layout import zero_stage
+
+        return f"zero{zero_stage(cfg)}"
     return "ddp"
 
 
@@ -255,6 +260,10 @@ def exact_state(cfg: Config, world: int, ranks_per_node: int | None = None,
         return fsdp1(units, opt, mom, world, shards, sharded=o.sharding_strategy != "NO_SHARD",
                      compute_elem=4 if t.precision == "fp32" else 2)
     tensors = as_tensors(unique_params(model))
+    if s.name == "deepspeed":
+        from dtlab.estimate.deepspeed_layout import deepspeed_state
+
+        return deepspeed_state([t.numel for t in tensors], cfg, world, device)
     if s.name == "zero1":
         return zero1(tensors, opt, mom, world)
     if s.name in ("single", "ddp"):

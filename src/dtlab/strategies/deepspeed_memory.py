@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 MASTER = {"single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_partitioned_groups"}
-GRADS = {"averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer",
+GRADS = {"averaged_gradients", "all_grad_tensors", "grads_in_partition", "grad_partitions_flat_buffer",
          "accumulated_grads_in_cpu", "fp32_groups_gradients", "fp32_groups_gradients_flat"}
 PARAMS = {"bit16_groups", "bit16_groups_flat", "parallel_partitioned_bit16_groups", "fp16_groups",
           "fp16_partitioned_groups", "fp16_partitioned_groups_flat"}
