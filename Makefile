@@ -29,7 +29,7 @@ lint: $(STAMP)
 # half the suite.
 test: lint
 	$(PY) -m dtlab doctor
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py

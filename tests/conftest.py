@@ -76,3 +76,22 @@ def local_sweep(session_dir: Path) -> tuple[Path, subprocess.CompletedProcess[st
     proc = cli("sweep", str(spec), "--out", str(out), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
+
+
+# make test runs the suite on 2 pytest-xdist workers with --dist loadgroup (2 cores: one worker
+# runs while the other waits on a process start-up, a timeout or a SLURM job). Groups keep what
+# must stay together on one worker: a module (its module-scoped fixtures run once), the tests
+# sharing the local sweep, the tests that start the local SLURM cluster; each guide chapter is
+# its own group, so chapters spread over both workers.
+GROUPS = {"test_report_browser": "sweep", "test_sweep": "sweep", "test_slurm": "slurm"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__
+        group = GROUPS.get(module, module)
+        if module == "test_guide" and hasattr(item, "callspec"):
+            chapter = item.callspec.params["chapter"]
+            group = "slurm" if chapter.startswith("06") else f"guide-{chapter}"
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -85,7 +85,7 @@ def test_optimizer_state_bytes() -> None:
 # ------------------------------------------------------------- exact layouts vs real runs
 # (label, overrides). Each runs a few real steps of dtlab's training loop on 2 gloo ranks and
 # its measured memory_per_rank must equal layout.exact_state within 1% on every rank. When a
-# strategy joins dtlab.strategies.REGISTRY (zero1, deepspeed), add its line here.
+# strategy joins dtlab.strategies.MODULES, add its line here.
 # Odd sizes, so that every padding rule matters: FSDP2 pads 33 and 5 rows to 34 and 6, FSDP1
 # aligns each tensor to 16 bytes (4 fp32 or 8 bf16 elements), and the ranks hold unequal shards.
 CNN = ["model.name=cnn", "model.hidden=33", "data.synthetic.num_classes=5"]  # SGD, momentum

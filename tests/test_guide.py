@@ -58,21 +58,18 @@ def check_ddp(w: Path, out: dict[str, str]) -> None:
     ref = step_losses(runs / "single")
     assert ref[-1] == pytest.approx(0.891529, abs=1e-6)
     assert step_losses(runs / "ddp") == step_losses(runs / "ddp-torchrun")
-    for run in ("ddp", "ddp4"):
-        assert max_rel_dev(step_losses(runs / run), ref) < 3e-7
+    assert max_rel_dev(step_losses(runs / "ddp"), ref) < 3e-7
     used, acc, own = usage_and_acc(w, "runs/guide/ddp")
     assert (used["samples_processed"], used["min_uses_of_one_sample"],
             used["max_uses_of_one_sample"]) == (12288, 3, 3)
     assert acc == 0.624 and own == [0.658, 0.590]
-    assert usage_and_acc(w, "runs/guide/ddp4")[2] == [0.637, 0.566, 0.680, 0.613]
     used, _, _ = usage_and_acc(w, "runs/guide/ddp-no-sampler")
     assert (used["samples_processed"], used["min_uses_of_one_sample"]) == (24576, 6)
     assert summary(w, "runs/guide/ddp-no-sampler")["steps"] == 384
     assert max_rel_dev(step_losses(runs / "ddp-no-sampler"), step_losses(runs / "single-b32")) < 1e-5
     accs = {run: usage_and_acc(w, f"runs/guide/{run}")[1] for run in
-            ("ddp-b128", "ddp-b128-scaled", "ddp-b256", "ddp-b256-scaled")}
-    assert accs == {"ddp-b128": 0.207, "ddp-b128-scaled": 0.351, "ddp-b256": 0.108,
-                    "ddp-b256-scaled": 0.312}
+            ("ddp-b128", "ddp-b128-scaled")}
+    assert accs == {"ddp-b128": 0.207, "ddp-b128-scaled": 0.351}
 
 
 def output_of(out: dict[str, str], *parts: str) -> str:
@@ -112,8 +109,9 @@ def check_multi_node(w: Path, out: dict[str, str]) -> None:
     assert [r["local_rank"] for r in two["ranks"]] == [0, 1, 0, 1]
     ref = step_losses(runs / "one-node")
     assert ref[-1] == pytest.approx(2.305999, abs=1e-6)
+    assert step_losses(runs / "two-nodes") == ref  # the same ranks, computing the same sums
     for run, launcher in [("two-nodes", "torchrun"), ("slurm-srun", "slurm"),
-                          ("slurm-torchrun", "torchrun"), ("local2", "torchrun")]:
+                          ("slurm-torchrun", "torchrun")]:
         assert summary(w, f"runs/guide/{run}")["launcher"] == launcher
         assert max_rel_dev(step_losses(runs / run), ref) < 1e-6, run
     logs = "".join(p.read_text() for p in w.glob("dtlab-*.out"))
@@ -125,15 +123,10 @@ def check_communication(w: Path, out: dict[str, str]) -> None:
     sized = [r for r in rows if "size_bytes" in r]
     assert len(sized) == 7 and all(r["oop"]["wrong"] == 0 and r["ip"]["wrong"] == 0 for r in sized)
     assert "all_reduce of 26214400 B on 8 ranks" in output_of(out, "--fit")
-    compare = {r["strategy"]: r for r in
-               json.loads((w / "runs/guide/compare/compare.json").read_text())}
-    mib = 547496 / 2**20
-    assert compare["ddp"]["comm_mib_per_step"] == pytest.approx(mib, abs=1e-3)
-    assert compare["fsdp"]["comm_mib_per_step"] > 2.5 * mib
     import csv
 
     results = list(csv.DictReader((w / "runs/guide/sweep/results.csv").read_text().splitlines()))
-    assert len(results) == 9 and all(r["status"] == "done" for r in results)
+    assert len(results) == 6 and all(r["status"] == "done" for r in results)
     state = {(r["series"], int(r["world_size"])): int(float(r["state_bytes"])) for r in results}
     assert [state[("ddp", n)] for n in (1, 2, 4)] == [1642488] * 3
     assert [state[("fsdp", n)] for n in (1, 2, 4)] == [1642488, 821244, 411012]
@@ -143,27 +136,29 @@ def check_communication(w: Path, out: dict[str, str]) -> None:
 def check_fsdp(w: Path, out: dict[str, str]) -> None:
     rows = {r["strategy"]: r for r in json.loads((w / "runs/guide/fsdp/compare.json").read_text())}
     assert {k: r["state_mib"] for k, r in rows.items()} == {
-        "single": 13.223, "ddp": 13.223, "fsdp": 6.612, "fsdp1": 6.612,
-        "fsdp1:SHARD_GRAD_OP": 6.612, "fsdp1:NO_SHARD": 13.223}
+        "single": 13.223, "ddp": 13.223, "fsdp": 6.612, "fsdp1": 6.612, "fsdp1:SHARD_GRAD_OP": 6.612}
     assert all(float(r["loss_dev"]) < 2.1e-7 for r in rows.values())
     assert "verify passed" in output_of(out, "dtlab compare")
     textbook = output_of(out, "7e9")  # params, grads, master, optim, state per GPU (GB)
     assert re.search(r"^ddp\s+28\.00\s+28\.00\s+0\.00\s+56\.00\s+112\.00\s", textbook, re.M)
     assert re.search(r"^zero3\s+7\.00\s+7\.00\s+0\.00\s+14\.00\s+28\.00\s", textbook, re.M)
     comm = {run: summary(w, f"runs/guide/{run}")["comm_breakdown"] for run in
-            ("fsdp-fp32", "fsdp-bf16", "fsdp1-blocks", "fsdp1-one-unit")}
+            ("fsdp/ddp", "fsdp/fsdp", "fsdp/fsdp1", "fsdp/fsdp1-SHARD_GRAD_OP", "fsdp-bf16",
+             "fsdp1-one-unit")}
     assert {run: (c["calls_per_step"], c["payload_bytes_per_step"]) for run, c in comm.items()} == {
-        "fsdp-fp32": (16, 10398980), "fsdp-bf16": (16, 6932740),
-        "fsdp1-blocks": (15, 10102784), "fsdp1-one-unit": (3, 6932480)}
+        "fsdp/ddp": (1, 3466240), "fsdp/fsdp": (16, 10398980), "fsdp/fsdp1": (15, 10102784),
+        "fsdp/fsdp1-SHARD_GRAD_OP": (11, 6932480), "fsdp-bf16": (16, 6932740),
+        "fsdp1-one-unit": (3, 6932480)}
     bf16 = summary(w, "runs/guide/fsdp-bf16")
     assert bf16["memory_per_rank"]["param_bytes"] == [1733120, 1733120]
-    assert round(bf16["final_train_loss"], 5) == 2.27522
+    assert round(bf16["final_train_loss"], 5) == 4.10958
+    assert round(rows["fsdp"]["final_loss"], 5) == 4.11087
 
 
 def check_zero(w: Path, out: dict[str, str]) -> None:
     assert "verify passed" in output_of(out, "dtlab compare")
     rows = {r["strategy"]: r for r in json.loads((w / "runs/guide/zero/compare.json").read_text())}
-    assert set(rows) == {"single", "ddp", "zero1", "deepspeed:1", "deepspeed:2", "deepspeed:3"}
+    assert set(rows) == {"single", "zero1", "deepspeed:1", "deepspeed:2", "deepspeed:3"}
     p = 3466240
     mem = {run: summary(w, f"runs/guide/zero/{run}")["memory_per_rank"] for run in
            ("zero1", "deepspeed-1", "deepspeed-3")}
@@ -185,7 +180,7 @@ def check_model_parallel(w: Path, out: dict[str, str]) -> None:
     assert "verify passed" in output_of(out, "dtlab compare")
     rows = {r["strategy"]: r for r in json.loads((w / "runs/guide/mp/compare.json").read_text())}
     assert {k: r["param_mib"] for k, r in rows.items()} == {
-        "single": 3.306, "tp": 1.659, "fsdp_tp@2x2": 0.83, "pp:gpipe": 1.668, "pp:1f1b": 1.668,
+        "single": 3.306, "tp": 1.659, "fsdp_tp@2x2": 0.83, "pp:1f1b": 1.668,
         "pp:interleaved_1f1b": 1.668}
     assert all(float(r["loss_dev"]) < 1.8e-7 and float(r["param_dev"]) < 1.5e-6
                for r in rows.values())
@@ -216,6 +211,8 @@ CHAPTERS = sorted(p.name for p in GUIDE.glob("[0-9][0-9]-*.md"))
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("chapter", CHAPTERS)
 def test_every_command_of_the_chapter_runs(chapter: str, tmp_path: Path) -> None:
+    if "sbatch" in (GUIDE / chapter).read_text() and os.geteuid() != 0 and not shutil.which("sbatch"):
+        pytest.skip("starting the local SLURM cluster (scripts/local_slurm.sh) needs root")
     for name in ("configs", "scripts", "benchmarks"):
         (tmp_path / name).symlink_to(ROOT / name)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -83,23 +82,3 @@ def test_sweep_on_slurm_with_srun_and_torchrun(slurm_cluster: None, tmp_path: Pa
     rows = list(csv.DictReader((tmp_path / "o" / "results.csv").read_text().splitlines()))
     assert sorted(r["series"] for r in rows) == ["ddp, slurm_mode=srun", "ddp, slurm_mode=torchrun"]
     assert all(r["status"] == "done" and float(r["samples_per_s"]) > 0 for r in rows)
-
-
-@pytest.mark.parametrize(("script", "sbatch_args", "env", "launcher", "strategy"), [
-    ("run.sh", ["--ntasks-per-node=2", "--cpus-per-task=1"], {}, "slurm", "ddp"),
-    ("run_torchrun.sh", ["--nodes=1", "--cpus-per-task=2"], {"NPROC_PER_NODE": "2"}, "torchrun", "fsdp"),
-])
-def test_shipped_sbatch_scripts(slurm_cluster: None, tmp_path: Path, script: str,
-                                sbatch_args: list[str], env: dict[str, str], launcher: str,
-                                strategy: str) -> None:
-    proc = subprocess.run(
-        ["sbatch", "--wait", f"--chdir={tmp_path}", *sbatch_args, str(ROOT / "scripts/slurm" / script),
-         f"strategy.name={strategy}", "train.max_steps=4", f"run.dir={tmp_path / 'run'}",
-         "run.progress=false"],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHON": sys.executable, **env})
-    logs = "".join(p.read_text() for p in tmp_path.glob("*.out"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert (summary["launcher"], summary["world_size"], summary["strategy"]) == (launcher, 2, strategy)
-    assert "rendezvous localhost:" in logs

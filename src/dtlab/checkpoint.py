@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -32,9 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
 
 from dtlab.errors import DtlabError
 
@@ -65,18 +63,25 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
 
 
-class SafeReader(FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with open(Path(self.path) / ".metadata", "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError("checkpoint metadata is not DCP metadata")
-        from torch.distributed.checkpoint.metadata import StorageMeta
+@functools.cache
+def _safe_reader() -> type:
+    """DCP's FileSystemReader with the metadata read by the allowlisting unpickler. (DCP, and the
+    DTensor it imports, load when a checkpoint is first read, not when every run starts.)"""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if not isinstance(metadata, Metadata):
+                raise pickle.UnpicklingError("checkpoint metadata is not DCP metadata")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader
 
 
 # ------------------------------------------------------------------------------- finding them
@@ -188,6 +193,8 @@ def _set_rng_state(state: dict[str, str], device: torch.device) -> None:
 def save(run_dir: Path, step: int, tensors: dict[str, Any], manifest: dict[str, Any], ctx: Any,
          keep: int, fault: Any = None) -> Path:
     """Write a checkpoint for `step` on every rank, publish it atomically, keep the last `keep`."""
+    import torch.distributed.checkpoint as dcp  # here, not at start-up (DCP imports DTensor)
+
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-{final.name}"
@@ -226,14 +233,16 @@ def save(run_dir: Path, step: int, tensors: dict[str, Any], manifest: dict[str, 
 def _dcp_load(tensors: dict[str, Any], path: Path) -> None:
     """dcp.load with its failures turned into one-line CheckpointErrors (DCP wraps the errors of
     each rank into its own exception type, so they are recognised by their text)."""
+    import torch.distributed.checkpoint as dcp
+
     try:  # read the metadata ourselves first: DCP would log a refusal with a traceback and retry
-        SafeReader(str(path)).read_metadata()
+        _safe_reader()(str(path)).read_metadata()
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
         raise CheckpointError(f"checkpoint '{path}': refused metadata ({e})") from None
     try:
         with warnings.catch_warnings():  # one process: "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(tensors, storage_reader=SafeReader(str(path)))
+            dcp.load(tensors, storage_reader=_safe_reader()(str(path)))
     except Exception as e:  # noqa: BLE001 - any failure here means: this checkpoint cannot be used
         text = str(e)
         refused = re.search(r"[\w.]+ is not allowed in checkpoint metadata", text)

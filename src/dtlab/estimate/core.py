@@ -192,7 +192,7 @@ def exact_strategy(setup: Setup, token: str) -> tuple[Plan, Config, list, bool, 
     from dtlab.compare import parse_spec
     from dtlab.config import load_config
     from dtlab.errors import ConfigError
-    from dtlab.strategies import REGISTRY
+    from dtlab.strategies import strategy_class
 
     try:
         spec_overrides = parse_spec(token)
@@ -211,7 +211,7 @@ def exact_strategy(setup: Setup, token: str) -> tuple[Plan, Config, list, bool, 
     per_rank = layout.exact_state(cfg, setup.world, setup.ranks_per_node, device)
     offload = offload or any(r.get("host_bytes") for r in per_rank)  # DeepSpeed's offload
     plan = Plan(kind, offload, group, token)
-    return plan, cfg, per_rank, reshard, REGISTRY[s.name].wrapper_casts
+    return plan, cfg, per_rank, reshard, strategy_class(s.name).wrapper_casts
 
 
 def describe(setup: Setup) -> str:

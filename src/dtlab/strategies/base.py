@@ -18,13 +18,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.tensor import DTensor
 
 from dtlab.config import Config
 from dtlab.data import EvalLoader
@@ -166,6 +159,12 @@ class Strategy:
         full=True gathers unsharded tensors (every rank takes part; on CPU nothing is offloaded
         because FSDP1's offload path pins memory); full=False returns the local shards.
         """
+        from torch.distributed.checkpoint.state_dict import (  # DCP and DTensor: imported when used
+            StateDictOptions,
+            get_model_state_dict,
+            get_state_dict,
+        )
+
         options = StateDictOptions(full_state_dict=full, cpu_offload=False)
         if optimizer is None:
             return get_model_state_dict(model, options=options), {}
@@ -174,6 +173,8 @@ class Strategy:
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                         model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
         """Put back what `state_dict(full=False)` returned (filled from a checkpoint)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=StateDictOptions(full_state_dict=False))
 
@@ -192,7 +193,7 @@ class Strategy:
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full (unsharded, reduced) value; a plain tensor as it is."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def eval_totals(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
