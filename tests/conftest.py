@@ -15,6 +15,10 @@ from dtlab.compare import loss_deviation, read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
+# The suite asserts CPU/gloo behaviour (2-4 ranks on one machine). On a GPU machine run.device=auto
+# would pick CUDA, and 2 ranks on 1 GPU are refused: hide the GPUs from every test and its children.
+# benchmarks/gpu_node.sh checks the CUDA/NCCL paths.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None,

@@ -109,17 +109,20 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     return DistEnv()
 
 
-def pick_device(preference: str, local_rank: int) -> torch.device:
+def pick_device(preference: str, local_rank: int, launcher: str = "none") -> torch.device:
     if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("run.device=cuda but no CUDA device is visible; fix: run.device=cpu")
         visible = torch.cuda.device_count()
-        # One visible GPU per process (SLURM's --gpus-per-task binding): it is this rank's.
-        index = 0 if visible == 1 else local_rank
+        # One visible GPU per task (SLURM's --gpus-per-task binding): it is this rank's. Under
+        # torchrun all local ranks see the same GPUs, so two ranks on one GPU is a mistake (NCCL
+        # refuses it: "Duplicate GPU detected").
+        index = 0 if visible == 1 and launcher == "slurm" else local_rank
         if index >= visible:
             raise ConfigError(
-                f"local rank {local_rank} has no GPU ({visible} visible); "
-                "fix: start at most one process per GPU"
+                f"local rank {local_rank} has no GPU of its own ({visible} visible); fix: start "
+                f"at most {visible} process(es) per node (--nproc-per-node {visible}), or "
+                "run.device=cpu to run more ranks on the CPU with gloo"
             )
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
@@ -229,7 +232,7 @@ def distributed(
     """Initialise the process group (when several ranks, or `need_group`) and always destroy it
     (`destroy=False` only for lab.no_destroy_process_group, to measure what skipping it costs)."""
     env = env or detect_env()
-    dev = pick_device(device, env.local_rank)
+    dev = pick_device(device, env.local_rank, env.launcher)
     n_threads = threads or max(1, cpus_available() // env.local_world_size)
     torch.set_num_threads(n_threads)
     group_backend = None
@@ -242,7 +245,8 @@ def distributed(
             timeout = datetime.timedelta(seconds=timeout_s)
             if env.launcher == "none":  # a group of one, for wrappers that insist on a group
                 dist.init_process_group(
-                    group_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+                    group_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                    device_id=dev if group_backend == "nccl" else None,
                 )
             else:
                 # Export the variables for env:// (and for libraries that read them).

@@ -58,7 +58,9 @@ def comm_calls(events: Any, n: int) -> tuple[list[dict[str, Any]], float]:
             continue
         op = e.name.split(":", 1)[1]
         shape = (e.input_shapes or [[]])[0]
-        elem = DTYPE_BYTES.get((e.input_dtypes or ["float"])[0], 4)
+        # FunctionEvent.input_dtypes is newer than torch 2.11 (seen missing there on an H100
+        # node); without it the payload assumes 4-byte elements.
+        elem = DTYPE_BYTES.get((getattr(e, "input_dtypes", None) or ["float"])[0], 4)
         gathered = "all_gather" in op or "allgather" in op  # the shape is this rank's part
         payload = math.prod(shape) * elem * (n if gathered else 1) if shape else 0
         calls.append({"op": op, "payload_bytes": payload, "seconds": seconds,
