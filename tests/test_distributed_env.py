@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtlab.distributed import DistEnv, detect_env, expand_hostlist, pick_backend
+from dtlab.distributed import DistEnv, detect_env, expand_hostlist, pick_backend, pick_device
 from dtlab.errors import ConfigError
 from dtlab.launch import report_failures
 
@@ -81,4 +81,22 @@ def test_launcher_names_the_failed_rank(capsys: pytest.CaptureFixture[str]) -> N
     assert report_failures({0: 143, 1: 1}) == 1
     assert "worker rank 1 failed with exit code 1" in capsys.readouterr().err
     assert report_failures({0: 2, 1: 2}) == 2  # bad input: the worker already explained it
+    assert report_failures({0: -9, 1: 2}) == 2  # rank 0 was SIGKILLed after ignoring SIGTERM
     assert capsys.readouterr().err == ""
+    assert report_failures({0: -9, 1: -15}) == 128 + 9  # only signals: the SIGKILL is the cause
+    assert "worker rank 0 failed with signal SIGKILL; ranks [1] were stopped" in capsys.readouterr().err
+
+
+def test_one_gpu_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No GPU here: pretend one is visible to check the rank -> GPU rule (the H100 run of
+    # benchmarks/gpu_node.sh checked it for real).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    assert pick_device("auto", 0, "torchrun") == torch.device("cuda", 0)
+    # srun --gpus-per-task=1: every task sees its own GPU as cuda:0
+    assert pick_device("auto", 3, "slurm") == torch.device("cuda", 0)
+    # torchrun --nproc-per-node 2 on a 1-GPU node: both ranks would share cuda:0
+    with pytest.raises(ConfigError, match=r"local rank 1 has no GPU of its own \(1 visible\).*--nproc-per-node 1"):
+        pick_device("auto", 1, "torchrun")
+    assert pick_device("cpu", 1, "torchrun") == torch.device("cpu")

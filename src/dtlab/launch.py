@@ -58,11 +58,15 @@ def launch(
 def report_failures(exitcodes: dict[int, int]) -> int:
     """One line naming the rank that failed first-hand; returns the exit code to pass on.
 
-    Ranks stopped by the agent with SIGTERM are collateral: the cause is another rank's failure.
+    Ranks stopped by the agent (SIGTERM, or SIGKILL when they ignored it) are collateral: the cause
+    is another rank's failure.
     (dtlab's workers turn SIGTERM into exit code 128 + 15 so that their cleanup runs.)
     """
     stopped = (-signal.SIGTERM, 128 + signal.SIGTERM)
     causes = {r: c for r, c in exitcodes.items() if c not in stopped} or exitcodes
+    # A rank that ignored SIGTERM (busy in CUDA or NCCL set-up) is then SIGKILLed by the agent: a
+    # rank that exited by itself is the cause (seen on an H100 with two ranks on one GPU).
+    causes = {r: c for r, c in causes.items() if c > 0} or causes
     rank, code = min(causes.items())
     if code != 2:  # 2 = bad input, which the worker already explained in one line
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
