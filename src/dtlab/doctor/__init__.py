@@ -61,7 +61,7 @@ def default_nproc() -> int:
         gpus = torch.cuda.device_count()
     except Exception:  # a broken torch is reported by the torch check  # noqa: BLE001
         gpus = 0
-    return max(2, gpus)
+    return gpus or 2  # one GPU: one rank (a warning for 2 would be noise)
 
 
 def guarded(producer: Callable[[], Iterable[Check]], name: str) -> list[Check]:
