@@ -33,15 +33,9 @@ step() { echo "== $*"; "$@"; echo "== exit $?"; }
   step $DT train --config configs/fsdp_gpt.yaml $CK run.dir="$out/ck_full"
   step $DT train --config configs/fsdp_gpt.yaml $CK run.dir="$out/ck_cut" run.fault.kind=exit run.fault.step=30
   step $DT train --config configs/fsdp_gpt.yaml $CK run.dir="$out/ck_cut"
-  step python3 - "$out" <<'EOF'
-import json, sys
-def losses(path):
-    rows = [json.loads(line) for line in open(path)]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-full, cut = losses(f"{sys.argv[1]}/ck_full/metrics.jsonl"), losses(f"{sys.argv[1]}/ck_cut/metrics.jsonl")
-dev = max(abs(full[s] - cut[s]) / abs(full[s]) for s in range(21, 41))
-print(f"resumed steps 21-40: largest relative loss deviation {dev:.3g}")
-EOF
+  step python3 -c "import sys; from pathlib import Path; from dtlab.compare import read_run, loss_deviation
+full, cut = (read_run(Path(sys.argv[1], d))[1] for d in ('ck_full', 'ck_cut'))
+print(f'stopped and resumed vs uninterrupted, {len(cut)} steps: largest relative loss deviation {loss_deviation(cut, full):.3g}')" "$out"
   step $DT export "$out/ck_full/checkpoints/step_000040" -o "$out/ck_full/model.safetensors"
   # activations: estimate vs CUDA peak (max_memory_allocated growth)
   step python3 benchmarks/activation_memory.py --json "$out/activation_memory_cuda.json"

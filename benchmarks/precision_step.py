@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from dtlab.config.schema import FSDPOptions
 from dtlab.models.gpt import GPT
+from dtlab.strategies.fsdp import shard
 
 MODES = ["fp32", "autocast", "bf16-weights", "fsdp2-fp32", "fsdp2-bf16"]
 
@@ -37,13 +38,9 @@ def build(mode: str, shape: dict, device: torch.device) -> torch.nn.Module:
     model = GPT(**shape).to(device)
     if mode == "bf16-weights":
         model = model.to(torch.bfloat16)
-    if mode.startswith("fsdp2"):
+    if mode.startswith("fsdp2"):  # exactly what strategy fsdp applies (default options)
         mesh = init_device_mesh(device.type, (1,))
-        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mode == "fsdp2-bf16" else None
-        kwargs = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
-        for block in model.blocks():
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
+        shard(model, mesh, FSDPOptions(), "bf16" if mode == "fsdp2-bf16" else "fp32", device)
     return model
 
 
