@@ -139,6 +139,10 @@ def check_fsdp(w: Path, out: dict[str, str]) -> None:
         "single": 13.223, "ddp": 13.223, "fsdp": 6.612, "fsdp1": 6.612, "fsdp1:SHARD_GRAD_OP": 6.612}
     assert all(float(r["loss_dev"]) < 2.1e-7 for r in rows.values())
     assert "verify passed" in output_of(out, "dtlab compare")
+    header = (w / "runs/guide/fsdp/compare.csv").read_text().splitlines()[0]
+    assert header.endswith("comm_share_pct,exposed_comm_ms,comm_mib_per_step")
+    fsdp = summary(w, "runs/guide/fsdp/fsdp")  # a GPT run counts tokens: block_size 64 per sample
+    assert fsdp["tokens_per_s"] == pytest.approx(fsdp["samples_per_s"] * 64)
     textbook = output_of(out, "7e9")  # params, grads, master, optim, state per GPU (GB)
     assert re.search(r"^ddp\s+28\.00\s+28\.00\s+0\.00\s+56\.00\s+112\.00\s", textbook, re.M)
     assert re.search(r"^zero3\s+7\.00\s+7\.00\s+0\.00\s+14\.00\s+28\.00\s", textbook, re.M)

@@ -112,7 +112,9 @@ def test_a_hung_rank_is_named_and_nothing_is_left(tmp_path: Path) -> None:
     assert left.stdout.strip() == ""
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+# FSDP: the norm is reduced over the shards. DDP's stop is exercised by guide chapter 08
+# (accumulation without loss division: "non-finite gradient (norm nan) at step 62", exit 1).
+@pytest.mark.parametrize("strategy", ["fsdp"])
 def test_non_finite_loss_stops_and_the_checkpoint_stays_good(tmp_path: Path, strategy: str) -> None:
     nan = ("run.fault.kind=nan", "run.fault.step=12", "run.fault.rank=1", "train.checkpoint_every=5",
            "train.max_steps=20", f"strategy.name={strategy}")

@@ -99,17 +99,6 @@ def test_mixed_precision_trains(session_dir: Path, strategy: str, precision: str
     assert abs(losses[0] - math.log(10)) < 0.1  # a fresh classifier over 10 classes
 
 
-def test_gpt_fsdp_matches_single(session_dir: Path) -> None:
-    small = ("model.n_layer=2", "model.n_embd=64", "model.block_size=32",
-             "data.synthetic.train_samples=1024", "train.max_steps=10", "train.warmup_steps=2",
-             "run.save_model=true")
-    ref, run = session_dir / "gpt-single", session_dir / "gpt-fsdp"
-    train(ref, "strategy.name=single", *small, config="configs/fsdp_gpt.yaml")
-    summary = train(run, *small, config="configs/fsdp_gpt.yaml", nproc=2)
-    assert max_rel_dev(step_losses(run), step_losses(ref)) < TOL
-    assert summary["tokens_per_s"] == pytest.approx(summary["samples_per_s"] * 32)
-
-
 def test_compile_keeps_the_losses(reference: Path, session_dir: Path) -> None:
     run = session_dir / "ddp-compiled"
     summary = train(run, "strategy.name=ddp", "train.compile=true", *SHORT, nproc=2, timeout=400)

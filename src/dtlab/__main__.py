@@ -1,5 +1,3 @@
-import sys
+from dtlab.cli import entry
 
-from dtlab.cli import main
-
-sys.exit(main())
+entry()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from dtlab.config import check_environment, check_world, load_config, to_yaml, valid_keys
 from dtlab.errors import DtlabError
@@ -230,5 +231,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def entry() -> NoReturn:
+    """The `dtlab` command (and `python -m dtlab`): main(), then exit as distributed.leave() says
+    when this process ran a process group (a 1-rank run trains in this process)."""
+    code = main()
+    if "dtlab.distributed" in sys.modules:  # imported only by runs that may hold a group
+        sys.modules["dtlab.distributed"].leave(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

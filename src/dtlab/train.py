@@ -30,7 +30,14 @@ from dtlab.config import (
     to_yaml,
 )
 from dtlab.data import EvalLoader, SampleUsage, TrainLoader, build_datasets
-from dtlab.distributed import DistContext, detect_env, distributed, is_comm_failure, who_stopped
+from dtlab.distributed import (
+    DistContext,
+    detect_env,
+    distributed,
+    is_comm_failure,
+    leave,
+    who_stopped,
+)
 from dtlab.errors import DtlabError, PeerError, RunError
 from dtlab.faults import Fault
 from dtlab.metrics import MetricsLog
@@ -210,4 +217,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -32,7 +32,7 @@ from dtlab.comm.ops import (
     make_case,
     message_bytes,
 )
-from dtlab.distributed import DistContext, distributed
+from dtlab.distributed import DistContext, distributed, leave
 from dtlab.errors import DtlabError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -282,4 +282,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
