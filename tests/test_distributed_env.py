@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -100,3 +103,24 @@ def test_one_gpu_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match=r"local rank 1 has no GPU of its own \(1 visible\).*--nproc-per-node 1"):
         pick_device("auto", 1, "torchrun")
     assert pick_device("cpu", 1, "torchrun") == torch.device("cpu")
+
+
+LEAVE = """
+import atexit, sys
+from dtlab.distributed import distributed, leave
+atexit.register(lambda: print("teardown ran"))
+if sys.argv[1] == "group":
+    with distributed(device="cpu", need_group=True):
+        pass
+print("trained", flush=False)
+leave(3)
+"""
+
+
+@pytest.mark.parametrize("group", ["group", "none"])
+def test_leave_skips_teardown_only_after_a_destroyed_group(group: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", LEAVE, group], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert "trained" in proc.stdout  # flushed before os._exit
+    assert ("teardown ran" in proc.stdout) == (group == "none")

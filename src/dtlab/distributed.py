@@ -220,6 +220,9 @@ def _raise_on_sigterm(signum: int, frame: object) -> None:
     sys.exit(128 + signum)
 
 
+_group_destroyed = False  # set by distributed(), read by leave()
+
+
 @contextmanager
 def distributed(
     device: str = "auto",
@@ -232,6 +235,7 @@ def distributed(
 ) -> Iterator[DistContext]:
     """Initialise the process group (when several ranks, or `need_group`) and always destroy it
     (`destroy=False` only for lab.no_destroy_process_group, to measure what skipping it costs)."""
+    global _group_destroyed
     env = env or detect_env()
     dev = pick_device(device, env.local_rank, env.launcher)
     n_threads = threads or max(1, cpus_available() // env.local_world_size)
@@ -284,11 +288,7 @@ def distributed(
             # active exception", seen here ~1 exit in 20). Collect them while Python is alive.
             gc.collect()
             dist.destroy_process_group()
-            global _group_destroyed
             _group_destroyed = True
-
-
-_group_destroyed = False
 
 
 def leave(code: int) -> NoReturn:
