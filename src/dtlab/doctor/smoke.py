@@ -205,4 +205,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])  # its report is printed and flushed
+    os._exit(code)  # no interpreter teardown after a process group: see distributed.leave()
