@@ -205,3 +205,18 @@ def eval_totals(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> to
         ((logits.argmax(-1) == y).double() * weight).sum(),
         weight.sum(),
     ])
+
+
+class MeshDataParallel:
+    """For strategies on a 2-D ("dp", other) device mesh (tp, fsdp_tp, pp): the data-parallel
+    replica is the rank's coordinate on the "dp" dimension. List it before Strategy."""
+
+    mesh: Any  # a DeviceMesh with a "dp" dimension (DTensor is imported only by these strategies)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh["dp"].size()

@@ -39,7 +39,14 @@ from dtlab.config import Config, model_parallel_size
 from dtlab.data import EvalLoader
 from dtlab.distributed import DistContext
 from dtlab.models import loss_fn
-from dtlab.strategies.base import DTYPES, LossHook, Strategy, eval_totals, full_value
+from dtlab.strategies.base import (
+    DTYPES,
+    LossHook,
+    MeshDataParallel,
+    Strategy,
+    eval_totals,
+    full_value,
+)
 from dtlab.strategies.fsdp import shard
 
 SCHEDULES: dict[str, Any] = {
@@ -54,7 +61,7 @@ def split_blocks(n_layer: int, n_stages: int) -> list[list[str]]:
             for s in range(n_stages)]
 
 
-class PP(Strategy):
+class PP(MeshDataParallel, Strategy):
     name = "pp"
 
     def __init__(self, cfg: Config, ctx: DistContext) -> None:
@@ -73,14 +80,6 @@ class PP(Strategy):
         self.timings: list[tuple[float, float]] = []  # (busy, wall) of each schedule step
         self._hook: LossHook | None = None
         self._reports: list[torch.Tensor] = []
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
-
-    @property
-    def dp_size(self) -> int:
-        return self.mesh["dp"].size()
 
     # --- splitting ------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:

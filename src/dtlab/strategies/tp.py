@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (
 from dtlab.config import Config, model_parallel_size
 from dtlab.distributed import DistContext
 from dtlab.models import loss_fn
-from dtlab.strategies.base import LossHook, Strategy, full_value
+from dtlab.strategies.base import LossHook, MeshDataParallel, Strategy, full_value
 from dtlab.strategies.fsdp import shard, without_gradient_sync
 
 
@@ -71,7 +71,7 @@ def _shard_grad_like_param(param: torch.Tensor) -> None:
         param.grad = param.grad.redistribute(placements=param.placements)
 
 
-class TP(Strategy):
+class TP(MeshDataParallel, Strategy):
     name = "tp"
 
     def __init__(self, cfg: Config, ctx: DistContext) -> None:
@@ -80,14 +80,6 @@ class TP(Strategy):
         self.mesh: DeviceMesh = init_device_mesh(
             ctx.device.type, (ctx.world_size // self.degree, self.degree),
             mesh_dim_names=("dp", "tp"))
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
-
-    @property
-    def dp_size(self) -> int:
-        return self.mesh["dp"].size()
 
     def wrap(self, model: nn.Module) -> nn.Module:
         model = parallelize_module(self.prepare(model), self.mesh["tp"], gpt_plan())
