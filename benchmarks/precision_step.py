@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from dtlab.config.schema import FSDPOptions
 from dtlab.models.gpt import GPT
+from dtlab.strategies.base import autocast
 from dtlab.strategies.fsdp import shard
 
 MODES = ["fp32", "autocast", "bf16-weights", "fsdp2-fp32", "fsdp2-bf16"]
@@ -50,13 +51,10 @@ def timed_steps(mode: str, shape: dict, micro: int, steps: int, device: torch.de
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, shape["vocab_size"], (micro, shape["block_size"]), device=device)
     y = torch.roll(x, -1, dims=1)
-    ctx = (lambda: torch.autocast(device.type, torch.bfloat16)) if mode == "autocast" else None
+    precision = "bf16" if mode == "autocast" else "fp32"  # fp32: no autocast
 
     def step() -> None:
-        if ctx:
-            with ctx():
-                logits = model(x)
-        else:
+        with autocast(precision, device):  # the helper the strategies use
             logits = model(x)
         F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
         opt.step()
