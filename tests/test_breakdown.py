@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import train
 
-from dtlab.comm.breakdown import analytic_bytes, ring_factor
+from dtlab.comm.breakdown import ring_factor
+from dtlab.strategies import registry
 
 OPTS = ("train.max_steps=6", "run.comm_breakdown=true", "run.breakdown_steps=4")
 
@@ -51,10 +52,10 @@ def test_fsdp_gathers_twice_and_reduce_scatters(session_dir: Path) -> None:
 
 def test_analytic_volumes() -> None:
     n, params = 4, 1000
-    assert analytic_bytes("ddp", {"comm_hook": "none"}, params, 4, 4, n) == 1.5 * 4000
-    assert analytic_bytes("fsdp", {"reshard_after_forward": True}, params, 4, 4, n) == 0.75 * 12000
-    assert analytic_bytes("fsdp", {"reshard_after_forward": False}, params, 2, 4, n) == 0.75 * 6000
-    assert analytic_bytes("fsdp1", {"sharding_strategy": "SHARD_GRAD_OP"}, params, 4, 4, n) == 6000
-    assert analytic_bytes("fsdp1", {"sharding_strategy": "NO_SHARD"}, params, 4, 4, n) == 6000
-    assert analytic_bytes("ddp", {"comm_hook": "powersgd"}, params, 4, 4, n) is None
+    assert registry.get("ddp").comm_bytes({"comm_hook": "none"}, params, 4, 4, n) == 1.5 * 4000
+    assert registry.get("fsdp").comm_bytes({"reshard_after_forward": True}, params, 4, 4, n) == 0.75 * 12000
+    assert registry.get("fsdp").comm_bytes({"reshard_after_forward": False}, params, 2, 4, n) == 0.75 * 6000
+    assert registry.get("fsdp1").comm_bytes({"sharding_strategy": "SHARD_GRAD_OP"}, params, 4, 4, n) == 6000
+    assert registry.get("fsdp1").comm_bytes({"sharding_strategy": "NO_SHARD"}, params, 4, 4, n) == 6000
+    assert registry.get("ddp").comm_bytes({"comm_hook": "powersgd"}, params, 4, 4, n) is None
     assert ring_factor("all_reduce", 4) == 1.5 and ring_factor("_allgather_base", 4) == 0.75

@@ -13,7 +13,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import ROOT, cli, free_port
 
-from dtlab.comm.breakdown import analytic_bytes
 from dtlab.comm.model import fit, predict
 from dtlab.config import load_config
 from dtlab.data import spec_for
@@ -22,6 +21,7 @@ from dtlab.estimate.advise import advise
 from dtlab.estimate.core import Setup, estimate, model_from_config, model_from_size
 from dtlab.estimate.measure import batch, saved_bytes
 from dtlab.models import build_model
+from dtlab.strategies import registry
 
 GB = 1e9
 FP32, BF16 = memory.PRECISIONS["fp32"], memory.PRECISIONS["bf16"]
@@ -349,10 +349,10 @@ def test_communication_volume_matches_the_ring_formulas() -> None:
     s, r = 2, 2  # hybrid: FULL_SHARD in groups of 2, all-reduce of the shard over 2 groups
     assert traffic("hybrid:2", units, n) == pytest.approx((s - 1) / s * 3 * p + 2 * (r - 1) / r * g / s)
     # the same volumes dtlab's step breakdown predicts for its runs
-    assert traffic("ddp", units, n) == pytest.approx(analytic_bytes("ddp", {}, 6e6, 4, 4, n))
-    assert traffic("zero3", units, n) == pytest.approx(analytic_bytes("fsdp", {}, 6e6, 4, 4, n))
+    assert traffic("ddp", units, n) == pytest.approx(registry.get("ddp").comm_bytes({}, 6e6, 4, 4, n))
+    assert traffic("zero3", units, n) == pytest.approx(registry.get("fsdp").comm_bytes({}, 6e6, 4, 4, n))
     assert traffic("zero3", units, n, reshard_after_forward=False) == pytest.approx(
-        analytic_bytes("fsdp1", {"sharding_strategy": "SHARD_GRAD_OP"}, 6e6, 4, 4, n))
+        registry.get("fsdp1").comm_bytes({"sharding_strategy": "SHARD_GRAD_OP"}, 6e6, 4, 4, n))
     # gloo runs each reduce-scatter as an all-reduce; FSDP1 gathers its root unit once
     assert traffic("zero3", units, n, backend="gloo") == pytest.approx(
         (n - 1) / n * 2 * p + 2 * (n - 1) / n * g)

@@ -21,7 +21,7 @@ from dtlab.compare import param_deviation, parse_spec, run_label, spec_ranks
 from dtlab.config import load_config
 from dtlab.errors import ConfigError
 from dtlab.models import GPT
-from dtlab.results.collect import strategy_label
+from dtlab.strategies.registry import label as strategy_label
 
 STEPS = 10
 TOL = 1e-4

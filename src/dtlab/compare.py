@@ -16,68 +16,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dtlab.config import PP_SCHEDULES, SHARDING_STRATEGIES, STRATEGIES, load_config
-from dtlab.config.schema import MODEL_PARALLEL
-from dtlab.errors import ConfigError
+from dtlab.config import load_config
+from dtlab.strategies import registry
+from dtlab.strategies.registry import parse as parse_spec
+from dtlab.strategies.registry import ranks as spec_ranks
 
 MiB = 1024 * 1024
-
-
-def parse_shape(spec: str, shape: str) -> tuple[int, int]:
-    """`2x2` -> (data-parallel, model-parallel) ranks; `2` -> (1, 2)."""
-    parts = shape.split("x")
-    if not 1 <= len(parts) <= 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ConfigError(
-            f"--strategies: '{spec}' has a bad mesh shape '{shape}'; fix: @MP or @DPxMP with "
-            "positive integers, e.g. fsdp_tp@2x2 (2 replicas x 2 tensor-parallel ranks)"
-        )
-    dims = [int(p) for p in parts]
-    return (1, dims[0]) if len(dims) == 1 else (dims[0], dims[1])
-
-
-def parse_spec(spec: str) -> list[str]:
-    """A strategy spec -> the overrides selecting it.
-
-    `NAME[:VARIANT][@SHAPE]`: fsdp1 takes a sharding strategy (`fsdp1:SHARD_GRAD_OP`), pp a
-    schedule (`pp:interleaved_1f1b`), deepspeed its ZeRO stage (`deepspeed:3`); tp, fsdp_tp and pp take a mesh shape, `@MP` or `@DPxMP`
-    (`fsdp_tp@2x2`: 2 data-parallel replicas x 2 tensor-parallel ranks; see `spec_ranks`).
-    """
-    head, _, shape = spec.partition("@")
-    name, _, variant = head.partition(":")
-    if name not in STRATEGIES:
-        raise ConfigError(f"--strategies: unknown strategy '{name}'; fix: use {', '.join(STRATEGIES)}")
-    overrides = [f"strategy.name={name}"]
-    if variant:
-        if name == "fsdp1" and variant in SHARDING_STRATEGIES:
-            overrides.append(f"strategy.fsdp1.sharding_strategy={variant}")
-        elif name == "pp" and variant in PP_SCHEDULES:
-            overrides.append(f"strategy.pp.schedule={variant}")
-        elif name == "deepspeed" and variant in ("1", "2", "3"):  # deepspeed:3 = ZeRO stage 3
-            overrides.append(f"strategy.deepspeed.zero_stage={variant}")
-        else:
-            raise ConfigError(
-                f"--strategies: '{spec}' is not valid; fix: only fsdp1 takes a variant ("
-                + ", ".join(SHARDING_STRATEGIES) + "), pp a schedule (" + ", ".join(PP_SCHEDULES)
-                + ") and deepspeed its ZeRO stage (deepspeed:1, :2 or :3)"
-            )
-    if shape:
-        if name not in MODEL_PARALLEL:
-            raise ConfigError(
-                f"--strategies: '{spec}': only {', '.join(MODEL_PARALLEL)} take a mesh shape; "
-                "fix: remove the @ part"
-            )
-        _, mp = parse_shape(spec, shape)
-        overrides.append(f"strategy.{'pp' if name == 'pp' else 'tp'}.degree={mp}")
-    return overrides
-
-
-def spec_ranks(spec: str, default: int) -> int:
-    """Ranks a spec runs on: 1 for single, the mesh's size when it has one, else `default`."""
-    shape = spec.partition("@")[2]
-    if shape:
-        dp, mp = parse_shape(spec, shape)
-        return dp * mp
-    return 1 if spec == "single" else default
 
 
 def run_label(spec: str) -> str:
@@ -149,8 +93,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def compare(args: argparse.Namespace) -> int:
     specs = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    if args.verify and "single" not in specs:
-        specs.insert(0, "single")  # the reference
+    ref = registry.REFERENCE
+    if args.verify and ref not in specs:
+        specs.insert(0, ref)
     plans = {spec: parse_spec(spec) for spec in specs}
     load_config(args.config, args.overrides)  # report config mistakes before running anything
     out = Path(args.out)
@@ -171,13 +116,13 @@ def compare(args: argparse.Namespace) -> int:
         rows.append(row_for(spec, results[spec][0]))
 
     bad = []
-    if args.verify and "single" in results:
-        ref_losses = results["single"][1]
+    if args.verify and ref in results:
+        ref_losses = results[ref][1]
         for row in rows:
             spec = row["strategy"]
             dl = loss_deviation(results[spec][1], ref_losses)
             dp = param_deviation(out / run_label(spec) / "model.safetensors",
-                                 out / "single" / "model.safetensors")
+                                 out / run_label(ref) / "model.safetensors")
             row["loss_dev"], row["param_dev"] = f"{dl:.2e}", f"{dp:.2e}"
             if max(dl, dp) > args.tolerance:
                 bad.append(f"{spec}: loss deviation {dl:.2e}, parameter deviation {dp:.2e}")
@@ -191,10 +136,10 @@ def compare(args: argparse.Namespace) -> int:
             writer.writerows(rows)
         (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
         print(f"\nwritten: {out / 'compare.csv'}")
-    if args.verify and "single" in results:
-        n = len(results["single"][1])
+    if args.verify and ref in results:
+        n = len(results[ref][1])
         verdict = "FAILED" if bad else "passed"
-        print(f"verify {verdict}: {n} steps vs single, tolerance {args.tolerance:g} (relative)")
+        print(f"verify {verdict}: {n} steps vs {ref}, tolerance {args.tolerance:g} (relative)")
         for line in bad:
             print(f"  {line}")
     for line in failed:

@@ -5,13 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 from dtlab import checkpoint
 from dtlab.config import Config
 from dtlab.distributed import DistContext
-from dtlab.strategies import Strategy
+from dtlab.run_state import RunState, Training
 
 
 def resume_path(cfg: Config, run_dir: Path, warn: bool = True) -> Path | None:
@@ -23,31 +20,30 @@ def resume_path(cfg: Config, run_dir: Path, warn: bool = True) -> Path | None:
     return Path(cfg.resume)
 
 
-def save(cfg: Config, ctx: DistContext, strategy: Strategy, model: nn.Module,
-         optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, step: int, epoch: int,
-         n_params: int, fault: Any) -> Path:
-    model_sd, optim_sd = strategy.state_dict(model, optimizer, full=False)  # local shards
+def save(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> Path:
+    model_sd, optim_sd = tr.strategy.state_dict(tr.model, tr.optimizer, full=False)  # local shards
+    scaler = tr.engine.scaler
     manifest = {
-        "epoch": epoch, "strategy": cfg.strategy.name, "n_params": n_params,
+        "epoch": run.epoch, "strategy": cfg.strategy.name, "n_params": tr.n_params,
         "config": cfg.model_dump(mode="json"),
-        "scheduler": scheduler.state_dict(),
+        "scheduler": tr.scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler is not None else None,
         "param_groups": optim_sd["param_groups"],  # hyper-parameters: JSON, not pickle
     }
     tensors = {"model": model_sd, "optim": optim_sd["state"]}
-    return checkpoint.save(Path(cfg.run.dir), step, tensors, manifest, ctx,
-                           cfg.train.keep_checkpoints, fault)
+    return checkpoint.save(Path(cfg.run.dir), run.step, tensors, manifest, ctx,
+                           cfg.train.keep_checkpoints, tr.stepper.fault)
 
 
-def load(path: Path, cfg: Config, ctx: DistContext, strategy: Strategy, model: nn.Module,
-         optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any) -> dict[str, Any]:
+def load(path: Path, cfg: Config, ctx: DistContext, tr: Training) -> dict[str, Any]:
     """Restore model, optimizer, schedule, scaler and RNG; returns the checkpoint's manifest."""
-    model_sd, optim_sd = strategy.state_dict(model, optimizer, full=False)  # shapes to fill
+    model_sd, optim_sd = tr.strategy.state_dict(tr.model, tr.optimizer, full=False)  # to fill
     tensors = {"model": model_sd, "optim": optim_sd["state"]}
     manifest = checkpoint.load(path, tensors, cfg.model_dump(mode="json"), ctx)
-    strategy.load_state_dict(model, optimizer, tensors["model"],
-                             {"state": tensors["optim"], "param_groups": manifest["param_groups"]})
-    scheduler.load_state_dict(manifest["scheduler"])
+    tr.strategy.load_state_dict(tr.model, tr.optimizer, tensors["model"],
+                                {"state": tensors["optim"], "param_groups": manifest["param_groups"]})
+    tr.scheduler.load_state_dict(manifest["scheduler"])
+    scaler = tr.engine.scaler
     if scaler is not None and manifest.get("scaler"):
         scaler.load_state_dict(manifest["scaler"])
     return manifest

@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import platform
 import socket
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,36 +13,35 @@ import torch
 from torch import nn
 
 from dtlab import __version__
-from dtlab.comm.breakdown import analytic_bytes, measure
+from dtlab.comm.breakdown import measure
 from dtlab.config import Config
-from dtlab.data import DataSpec
 from dtlab.distributed import DistContext
 from dtlab.metrics import peak_memory, time_stats
 from dtlab.models import build_model, loss_fn
 from dtlab.optim import build_optimizer
-from dtlab.strategies import Strategy
-from dtlab.strategies.base import autocast
+from dtlab.run_state import RunState, Training
+from dtlab.strategies import registry
+from dtlab.strategies.base import Strategy, autocast
 
 
-def summarize(cfg: Config, ctx: DistContext, strategy: Strategy, spec: DataSpec, model: nn.Module,
-              optimizer: torch.optim.Optimizer, n_params: int, micro: int, step_times: list[float],
-              data_times: list[float], last_loss: float, evals: dict[str, Any],
-              wall: float) -> dict[str, Any]:
+def summarize(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> dict[str, Any]:
     """summary.json: every number measured here, per rank where ranks differ."""
     warm = cfg.run.timing_warmup_steps
+    step_times, spec = run.step_times, tr.spec
     timed = step_times[warm:] or step_times  # warm-up steps (allocation, compilation) excluded
     stats = time_stats(timed)
-    mem, state = peak_memory(ctx.device), strategy.state_bytes(model, optimizer)
+    mem, state = peak_memory(ctx.device), tr.strategy.state_bytes(tr.model, tr.optimizer)
     index = ctx.device.index if ctx.device.index is not None else -1
     per_rank = ctx.gather_floats([*mem.values(), *state.values(), ctx.env.local_rank, index])
     keys = [*mem, *state]
     # Where each rank ran: the local rank (its index on its node) picks the device.
     layout = [{"local_rank": int(r[-2]), "device": f"{ctx.device.type}:{int(r[-1])}"
                if r[-1] >= 0 else ctx.device.type} for r in per_rank]
+    evals = run.evals
     gb = cfg.train.global_batch_size
     summary: dict[str, Any] = {
         "strategy": cfg.strategy.name,
-        "strategy_options": strategy.describe(),
+        "strategy_options": tr.strategy.describe(),
         "world_size": ctx.world_size,
         "nnodes": ctx.env.nnodes,
         "ranks": layout,
@@ -53,21 +51,21 @@ def summarize(cfg: Config, ctx: DistContext, strategy: Strategy, spec: DataSpec,
         "device_name": device_name(ctx.device),
         "threads_per_rank": ctx.threads,
         "model": cfg.model.name,
-        "n_params": n_params,
+        "n_params": tr.n_params,
         "data": cfg.data.name,
         "precision": cfg.train.precision,
         "compile": cfg.train.compile,
         "global_batch_size": gb,
-        "micro_batch_size": micro,
+        "micro_batch_size": tr.micro_batch,
         "grad_accum_steps": cfg.train.grad_accum_steps,
         "steps": len(step_times),
         "timed_steps": len(timed),
         "samples_seen": len(step_times) * gb,
         "median_step_time_s": stats.get("median"),
         "step_time_s": stats,
-        "median_data_time_s": time_stats(data_times[warm:] or data_times).get("median"),
+        "median_data_time_s": time_stats(run.data_times[warm:] or run.data_times).get("median"),
         "samples_per_s": len(timed) * gb / sum(timed) if timed else None,
-        "final_train_loss": last_loss,
+        "final_train_loss": run.last_loss,
         "val_loss": evals.get("val_loss"),
         "val_acc": evals.get("val_acc"),
         "val_acc_own_samples_per_rank": evals.get("val_acc_own_samples_per_rank"),
@@ -77,12 +75,20 @@ def summarize(cfg: Config, ctx: DistContext, strategy: Strategy, spec: DataSpec,
         "python_version": platform.python_version(),
         "hostname": socket.gethostname(),
         "seed": cfg.seed,
-        "wall_time_s": wall,
+        "wall_time_s": run.wall_time,
         "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     if spec.kind == "tokens" and summary["samples_per_s"]:
         summary["tokens_per_s"] = summary["samples_per_s"] * spec.seq_len
-    summary.update(strategy.measurements())
+    summary.update(tr.engine.measurements())
+    summary["steps_per_epoch"] = run.steps_per_epoch
+    summary["epoch_time_s"], summary["epoch_time_measured"] = run.epoch_time(stats.get("median"))
+    summary["skipped_steps"] = tr.stepper.skipped
+    if run.usage is not None:
+        summary["sample_usage"] = run.usage.summary(tr.strategy)
+    if run.resumed_from is not None:
+        summary["resumed_from"] = {"path": str(run.resumed_from), "step": run.start,
+                                   "lost_steps": run.lost_steps}
     return summary
 
 
@@ -101,17 +107,18 @@ def save_model(strategy: Strategy, model: nn.Module, path: Path, ctx: DistContex
         save_file({k: v.detach().cpu().clone().contiguous() for k, v in state.items()}, str(path))
 
 
-def comm_breakdown(cfg: Config, ctx: DistContext, strategy: Strategy, spec: DataSpec,
-                   n_params: int, run_step: Callable[..., Any], batches: list[Any],
+def comm_breakdown(cfg: Config, ctx: DistContext, tr: Training, batches: list[Any],
                    trace: Path | None) -> dict[str, Any]:
     """Measure compute vs communication on `batches` (see dtlab/comm/breakdown.py)."""
-    s = cfg.strategy
-    no_sync_is_local = s.name == "ddp" or (s.name == "fsdp1" and s.fsdp1.sharding_strategy == "NO_SHARD")
-    if no_sync_is_local:
+    engine, strategy = tr.engine, tr.strategy
+    if strategy.no_sync_is_local:
         def compute_only(b: Any) -> Any:
-            return run_step(b, sync=False)
+            engine.zero_grad()
+            for x, y in b:
+                engine.micro_step(x, y, tr.stepper.loss_hook, sync=False)
+            engine.step()
     else:  # FSDP all-gathers even without gradient sync: time a plain replica instead
-        replica = build_model(cfg.model, spec).to(ctx.device)
+        replica = build_model(cfg.model, tr.spec).to(ctx.device)
         opt = build_optimizer(replica.parameters(), cfg.train)
 
         def compute_only(b: Any) -> Any:
@@ -122,12 +129,12 @@ def comm_breakdown(cfg: Config, ctx: DistContext, strategy: Strategy, spec: Data
                 loss.backward()
             opt.step()
 
-    low = cfg.train.precision != "fp32" and s.name in ("fsdp", "fsdp1")
-    options = strategy.describe()
-    analytic = analytic_bytes(s.name, options, n_params, 2 if low else 4, 4, ctx.world_size)
-    result = measure(run_step, compute_only, batches, ctx.synchronize, ctx.gather_floats,
+    low = cfg.train.precision != "fp32" and strategy.wrapper_casts  # parameters gathered in 16 bits
+    comm_bytes = registry.of(cfg).comm_bytes
+    analytic = comm_bytes(strategy.describe(), tr.n_params, 2 if low else 4, 4,
+                          ctx.world_size) if comm_bytes else None
+    result = measure(tr.stepper, compute_only, batches, ctx.synchronize, ctx.gather_floats,
                      ctx.world_size, analytic, trace)
     flat = {k: result[k] for k in ("comm_share", "exposed_comm_s", "compute_time_s", "comm_time_s",
                                    "overlapped_comm_s")}
     return {**flat, "comm_breakdown": result}
-

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from itertools import islice
@@ -43,25 +42,23 @@ from dtlab.faults import Fault
 from dtlab.metrics import MetricsLog
 from dtlab.models import build_model, count_params
 from dtlab.optim import build_scheduler
+from dtlab.run_state import RunState, Training
 from dtlab.step import Stepper
-from dtlab.strategies import build_strategy
+from dtlab.strategies import registry
 from dtlab.summary import comm_breakdown, save_model, summarize
 
 
-def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
-    started = time.perf_counter()
-    run_dir = Path(cfg.run.dir or "runs/default")
+def build(cfg: Config, ctx: DistContext) -> tuple[Training, Any, TrainLoader, EvalLoader]:
+    """Data, model, strategy, optimizer, schedule and step, as every strategy builds them."""
     t = cfg.train
     micro = check_world(cfg, ctx.world_size, ctx.env.local_world_size)
-
     train_set, val_set, spec = build_datasets(cfg, ctx)
     # Identical initial weights on every rank, for every strategy (unless the lab switch breaks it).
     torch.manual_seed(cfg.seed + (ctx.rank if cfg.lab.per_rank_init_seed else 0))
     model = build_model(cfg.model, spec)
     n_params = count_params(model)
-    strategy = build_strategy(cfg, ctx)
-    model = strategy.wrap(model)
-    optimizer = strategy.build_optimizer(model)  # after wrapping: over the shards this rank owns
+    strategy = registry.build(cfg, ctx)
+    model, optimizer = strategy.setup(model)  # the optimizer over the shards this rank owns
     if t.compile:
         # A persistent cache: the first compile costs tens of seconds, later runs reuse it.
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache/dtlab/inductor"))
@@ -73,111 +70,105 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     loader = TrainLoader(train_set, dp_rank, dp_size, micro, t.grad_accum_steps, cfg.seed)
     val_loader = EvalLoader(val_set, strategy.dp_rank, strategy.dp_size,
                             cfg.data.val_batch_size or micro, pad=not cfg.lab.uneven_eval)
-    usage = SampleUsage(len(train_set)) if cfg.run.track_samples else None
     total_steps = t.max_steps or t.epochs * loader.steps_per_epoch
     scheduler = build_scheduler(optimizer, t, total_steps)
-    fault = Fault(cfg.run.fault, ctx.rank)
-    run_step = Stepper(cfg, strategy, model, forward, optimizer, scheduler, ctx.device, fault)
+    engine = strategy.step_engine(model, forward, optimizer)
+    stepper = Stepper(cfg, engine, scheduler, Fault(cfg.run.fault, ctx.rank))
+    training = Training(strategy, model, forward, optimizer, scheduler, engine, stepper, spec,
+                        n_params, micro)
+    return training, train_set, loader, val_loader
+
+
+def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
+    started = time.perf_counter()
+    run_dir = Path(cfg.run.dir or "runs/default")
+    tr, train_set, loader, val_loader = build(cfg, ctx)
+    strategy, fault = tr.strategy, tr.stepper.fault
+    run = RunState(total_steps=cfg.train.max_steps or cfg.train.epochs * loader.steps_per_epoch,
+                   steps_per_epoch=loader.steps_per_epoch, started=started,
+                   usage=SampleUsage(len(train_set)) if cfg.run.track_samples else None)
     torch.manual_seed(cfg.seed + ctx.rank)  # per-rank randomness (dropout) from here on
 
     # Resume: model, optimizer, schedule, RNG and the position in the data order.
-    start = 0
     path = state.resume_path(cfg, run_dir, warn=ctx.is_main)
     if path is not None:
-        start = state.load(path, cfg, ctx, strategy, model, optimizer, scheduler,
-                           run_step.scaler)["step"]
-        run_step.step_number = start
-    log = MetricsLog(run_dir, ctx.is_main, total_steps, cfg.run.progress, cfg.run.tensorboard,
-                     resume_step=start if path is not None else None)
+        run.start = state.load(path, cfg, ctx, tr)["step"]
+        run.step, run.resumed_from = run.start, path
+        tr.stepper.step_number = run.start
+    log = MetricsLog(run_dir, ctx.is_main, run.total_steps, cfg.run.progress, cfg.run.tensorboard,
+                     resume_step=run.start if path is not None else None)
+    run.lost_steps = log.lost_steps
     if path is not None and ctx.is_main:
-        done = " (the run is complete: evaluating only; resume=none starts over)" if start >= total_steps else ""
-        print(f"dtlab: resuming from {path} at step {start}{done}; steps lost since that "
+        done = " (the run is complete: evaluating only; resume=none starts over)" if run.done else ""
+        print(f"dtlab: resuming from {path} at step {run.start}{done}; steps lost since that "
               f"checkpoint: {log.lost_steps}", file=sys.stderr, flush=True)
     if ctx.is_main:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    tokens_per_sample = spec.seq_len if spec.kind == "tokens" else 0
-    step_times: list[float] = []
-    data_times: list[float] = []
-    epoch_times: list[float] = []
-    last_loss = float("nan")
-    evals: dict[str, Any] = {}
-    epoch = start // loader.steps_per_epoch
+    run.epoch = run.start // loader.steps_per_epoch
 
-    def save_checkpoint(step: int) -> None:
-        state.save(cfg, ctx, strategy, model, optimizer, scheduler, run_step.scaler, step, epoch,
-                   n_params, fault)
+    def evaluate() -> None:
+        run.evals = {"step": run.step, "epoch": run.epoch,
+                     **strategy.evaluate(tr.forward, val_loader)}
+        log.log(run.evals)
 
-    model.train()
-    steps = enumerate(islice(loader.steps(start), max(0, total_steps - start)), start=start + 1)
-    step = start
+    tr.model.train()
     try:
-        for step, (epoch, step_idx) in steps:
+        for epoch, step_idx in islice(loader.steps(run.start), max(0, run.total_steps - run.start)):
+            step = run.begin_step(epoch)
             fault.before_step(step)
             t0 = time.perf_counter()
-            lr = scheduler.get_last_lr()[0]
+            lr = tr.scheduler.get_last_lr()[0]
             batches = [train_set.batch(i) for i in step_idx]
-            if usage is not None:
-                usage.add(step_idx)
+            if run.usage is not None:
+                run.usage.add(step_idx)
             ctx.synchronize()
             data_time = time.perf_counter() - t0
-            step_loss = run_step(batches)
+            step_loss = tr.stepper(batches)
             ctx.synchronize()
-            step_time = time.perf_counter() - t0
-            step_times.append(step_time)
-            data_times.append(data_time)
-
-            if step % cfg.run.log_every == 0 or step == total_steps:
-                last_loss = strategy.mean_loss(step_loss)
-                record = {
-                    "step": step, "epoch": epoch, "loss": last_loss, "lr": lr,
-                    "step_time_s": step_time, "data_time_s": data_time,
-                    "samples_per_s": t.global_batch_size / step_time,
-                }
-                if tokens_per_sample:
-                    record["tokens_per_s"] = record["samples_per_s"] * tokens_per_sample
-                log.log(record, quiet=log.bar is not None)
-            log.advance(step, last_loss)
-            end_of_epoch = step % loader.steps_per_epoch == 0
-            if end_of_epoch and len(step_times) >= loader.steps_per_epoch:
-                epoch_times.append(sum(step_times[-loader.steps_per_epoch:]))  # training only
-            if (t.eval_every and step % t.eval_every == 0) or (not t.eval_every and end_of_epoch) \
-                    or step == total_steps:
-                evals = {"step": step, "epoch": epoch, **strategy.evaluate(forward, val_loader)}
-                log.log(evals)
-            if t.checkpoint_every and step % t.checkpoint_every == 0:
-                save_checkpoint(step)
-        if not evals:  # resumed a finished run: evaluate what it left
-            evals = {"step": step, "epoch": epoch, **strategy.evaluate(forward, val_loader)}
-            log.log(evals)
-        if t.checkpoint_every and not (checkpoint.checkpoint_root(run_dir) / f"step_{step:06d}").is_dir():
-            save_checkpoint(step)  # the end of the run (or of a resumed run, here in run.dir)
+            run.record_step(time.perf_counter() - t0, data_time)
+            log_step(cfg, tr, run, step_loss, lr, log)
+            if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or \
+                    (not cfg.train.eval_every and run.end_of_epoch) or run.done:
+                evaluate()
+            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
+                state.save(cfg, ctx, tr, run)
+        if not run.evals:  # resumed a finished run: evaluate what it left
+            evaluate()
+        if cfg.train.checkpoint_every and \
+                not (checkpoint.checkpoint_root(run_dir) / f"step_{run.step:06d}").is_dir():
+            state.save(cfg, ctx, tr, run)  # the end of the run (or of a resumed run, here in run.dir)
     except RuntimeError as e:
         if ctx.world_size > 1 and is_comm_failure(e):
-            raise RunError(who_stopped(ctx, step, e)) from None
+            raise RunError(who_stopped(ctx, run.step, e)) from None
         raise
 
-    summary = summarize(cfg, ctx, strategy, spec, model, optimizer, n_params, micro, step_times,
-                        data_times, last_loss, evals, time.perf_counter() - started)
-    summary["steps_per_epoch"] = loader.steps_per_epoch
-    # Measured when at least one epoch completed, else the median step time x steps per epoch.
-    summary["epoch_time_measured"] = bool(epoch_times)
-    summary["epoch_time_s"] = (statistics.median(epoch_times) if epoch_times
-                               else (summary["median_step_time_s"] or 0) * loader.steps_per_epoch)
-    summary["skipped_steps"] = run_step.skipped
-    if usage is not None:
-        summary["sample_usage"] = usage.summary(strategy)
-    if path is not None:
-        summary["resumed_from"] = {"path": str(path), "step": start, "lost_steps": log.lost_steps}
+    summary = summarize(cfg, ctx, tr, run)
     if cfg.run.save_model:
-        save_model(strategy, model, run_dir / "model.safetensors", ctx)
+        save_model(strategy, tr.model, run_dir / "model.safetensors", ctx)
     if cfg.run.comm_breakdown and ctx.world_size > 1:  # after training: it changes the model
         more = [[train_set.batch(i) for i in idx] for _, idx in
-                islice(loader.steps(start_step=total_steps), cfg.run.breakdown_steps)]
+                islice(loader.steps(start_step=run.total_steps), cfg.run.breakdown_steps)]
         trace = run_dir / f"trace_rank{ctx.rank}.json" if cfg.run.profile_trace else None
-        summary.update(comm_breakdown(cfg, ctx, strategy, spec, n_params, run_step, more, trace))
+        summary.update(comm_breakdown(cfg, ctx, tr, more, trace))
     log.write_summary(summary)
     log.close()
     return summary
+
+
+def log_step(cfg: Config, tr: Training, run: RunState, step_loss: torch.Tensor, lr: float,
+             log: MetricsLog) -> None:
+    """Every run.log_every steps (and the last): the loss over the global batch and the speed."""
+    step, step_time = run.step, run.step_times[-1]
+    if step % cfg.run.log_every == 0 or run.done:
+        run.last_loss = tr.strategy.mean_loss(step_loss)
+        samples_per_s = cfg.train.global_batch_size / step_time
+        record = {"step": step, "epoch": run.epoch, "loss": run.last_loss, "lr": lr,
+                  "step_time_s": step_time, "data_time_s": run.data_times[-1],
+                  "samples_per_s": samples_per_s}
+        if tr.spec.kind == "tokens":
+            record["tokens_per_s"] = samples_per_s * tr.spec.seq_len
+        log.log(record, quiet=log.bar is not None)
+    log.advance(step, run.last_loss)
 
 
 def run(config: str | None, overrides: list[str]) -> int:
@@ -194,7 +185,7 @@ def run(config: str | None, overrides: list[str]) -> int:
     try:
         r = cfg.run
         with distributed(r.device, r.backend, r.timeout_s, r.threads,
-                         need_group=cfg.strategy.name != "single", env=env,
+                         need_group=not registry.of(cfg).one_process, env=env,
                          destroy=not cfg.lab.no_destroy_process_group) as ctx:
             train(cfg, ctx)
     except DtlabError as e:

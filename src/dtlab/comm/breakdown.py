@@ -68,21 +68,6 @@ def comm_calls(events: Any, n: int) -> tuple[list[dict[str, Any]], float]:
     return calls, kernel_s
 
 
-def analytic_bytes(strategy: str, options: dict[str, Any], n_params: int, param_elem: int,
-                   grad_elem: int, n: int) -> float | None:
-    """Ring traffic per rank per step, from the strategy's algorithm (None when not modelled)."""
-    p, g = n_params * param_elem, n_params * grad_elem
-    if strategy == "ddp" and options.get("comm_hook", "none") == "none":
-        return 2 * (n - 1) / n * g
-    sharding = options.get("sharding_strategy", "FULL_SHARD")
-    if strategy == "fsdp1" and sharding == "NO_SHARD":
-        return 2 * (n - 1) / n * g
-    if strategy == "fsdp" or (strategy == "fsdp1" and sharding in ("FULL_SHARD", "SHARD_GRAD_OP")):
-        gathers = 2 if options.get("reshard_after_forward", sharding == "FULL_SHARD") else 1
-        return (n - 1) / n * (gathers * p + g)
-    return None
-
-
 @contextlib.contextmanager
 def quiet_stderr() -> Iterator[None]:
     """Silence file descriptor 2 (C++ code writes there directly) for the duration."""

@@ -1,4 +1,5 @@
-"""Typed configuration: the schema (`schema.py`) and how files and overrides become one (`load.py`)."""
+"""Typed configuration: the schema (`schema.py`), how files and overrides become one (`load.py`),
+and the checks that need the world size (`world.py`)."""
 
 from dtlab.config.load import (
     apply_override,
@@ -10,8 +11,6 @@ from dtlab.config.load import (
     valid_keys,
 )
 from dtlab.config.schema import (
-    PP_SCHEDULES,
-    SHARDING_STRATEGIES,
     STRATEGIES,
     CNNConfig,
     Config,
@@ -24,17 +23,20 @@ from dtlab.config.schema import (
     StrategyConfig,
     SyntheticConfig,
     TrainConfig,
+)
+from dtlab.config.world import (
     check_environment,
     check_world,
     data_parallel_size,
+    micro_batch,
     model_parallel_size,
 )
 from dtlab.errors import ConfigError
 
 __all__ = [
-    "PP_SCHEDULES", "SHARDING_STRATEGIES", "STRATEGIES", "CNNConfig", "Config", "ConfigError", "DataConfig", "FaultConfig",
+    "STRATEGIES", "CNNConfig", "Config", "ConfigError", "DataConfig", "FaultConfig",
     "GPTConfig", "ModelConfig", "ResNetConfig", "RunConfig", "StrategyConfig", "SyntheticConfig",
     "TrainConfig", "apply_override", "check_environment", "check_world", "data_parallel_size",
-    "format_validation_error", "model_parallel_size",
+    "format_validation_error", "micro_batch", "model_parallel_size",
     "load_config", "parse_value", "read_yaml", "to_yaml", "valid_keys",
 ]

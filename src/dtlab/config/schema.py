@@ -1,7 +1,7 @@
 """The configuration schema: sections `model`, `data`, `train`, `strategy`, `run` (and `seed`).
 
-Every section forbids unknown keys. Checks that need the world size (batch divisibility,
-HYBRID_SHARD groups, `single` on several ranks) live in `check_world`, run before any process starts.
+Every section forbids unknown keys. Each strategy's options and checks live beside it
+(dtlab/strategies/<name>_spec.py); checks that need the world size are in world.py.
 """
 
 from __future__ import annotations
@@ -9,27 +9,20 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    create_model,
     model_validator,
 )
 
 from dtlab.errors import ConfigError
+from dtlab.options import Section
+from dtlab.strategies import registry
 
-STRATEGIES = ("single", "ddp", "fsdp", "fsdp1", "zero1", "deepspeed", "tp", "fsdp_tp", "pp")
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs")  # several stages per rank
-MODEL_PARALLEL = ("tp", "fsdp_tp", "pp")  # strategies that split the model itself (GPT only)
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+STRATEGIES = registry.NAMES
 
 
 # ----------------------------------------------------------------------------------------- model
@@ -141,94 +134,15 @@ class TrainConfig(Section):
 
 
 # -------------------------------------------------------------------------------------- strategy
-class DDPOptions(Section):
-    bucket_cap_mb: PositiveFloat = 25.0
-    gradient_as_bucket_view: bool = True
-    static_graph: bool = False
-    find_unused_parameters: bool = False
-    # What DDP does with each gradient bucket (src/dtlab/strategies/ddp_hooks.py); ddp only.
-    comm_hook: Literal["none", "fp16", "bf16", "powersgd", "topk", "local_sgd"] = "none"
-    powersgd_rank: PositiveInt = 1
-    powersgd_start_iter: PositiveInt = 2  # plain all-reduce before (PowerSGD needs >= 1)
-    topk_ratio: float = Field(0.01, gt=0.0, le=1.0)
-    local_sgd_period: PositiveInt = 4  # average parameters every this many steps
-    local_sgd_warmup: NonNegativeInt = 0  # plain DDP steps first
-    local_sgd_group_size: PositiveInt = 1  # ranks that still average gradients every step
-
-
-class FSDPOptions(Section):
-    """FSDP2 (`fully_shard`), applied to every block and then to the root."""
-
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    reduce_fp32: bool = True  # with train.precision bf16/fp16: reduce gradients in fp32
-
-
-class FSDP1Options(Section):
-    sharding_strategy: Literal[SHARDING_STRATEGIES] = "FULL_SHARD"  # type: ignore[valid-type]
-    auto_wrap: Literal["block", "size", "none"] = "block"
-    min_num_params: PositiveInt = 100_000  # for auto_wrap=size
-    shard_group_size: NonNegativeInt = 0  # HYBRID_SHARD only: ranks per shard group, 0 = per node
-    cpu_offload: bool = False
-    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "none"] = "BACKWARD_PRE"
-    forward_prefetch: bool = False
-    limit_all_gathers: bool = True
-    reduce_fp32: bool = True
-
-
-class Zero1Options(Section):
-    """DDP + torch's ZeroRedundancyOptimizer (strategy.ddp.* options apply to the DDP part)."""
-
-    parameters_as_bucket_view: bool = False  # broadcast updated parameters as flat buckets
-    overlap_with_ddp: bool = False  # the step inside DDP's backward hook; NCCL only
-
-
-class DeepSpeedOptions(Section):
-    """DeepSpeed ZeRO (the `deepspeed` extra). dtlab's train.* keys (batch, accumulation, clipping,
-    precision, optimizer, schedule) are mapped into the DeepSpeed config; `config` (a DeepSpeed
-    JSON) supplies the rest. Options left at None take the JSON's value, else DeepSpeed's default;
-    a value that contradicts the JSON is refused."""
-
-    config: str | None = None  # path to a DeepSpeed JSON, e.g. configs/deepspeed/zero2.json
-    zero_stage: Literal[1, 2, 3] | None = None  # None: the JSON's, else 2
-    offload_optimizer: bool | None = None  # optimizer state + fp32 master weights in host memory
-    offload_param: bool | None = None  # parameters in host memory (ZeRO 3 only)
-    reduce_bucket_size: PositiveInt | None = None  # elements per gradient reduction bucket
-    allgather_bucket_size: PositiveInt | None = None  # elements per all-gather (ZeRO 1/2)
-    overlap_comm: bool | None = None  # reduce gradients while the backward pass goes on
-    contiguous_gradients: bool | None = None  # copy gradients into one buffer as they are made
-    shm_comm: bool = False  # DeepSpeed's shared-memory CPU collectives (compiles a C++ op)
-
-
-class TPOptions(Section):
-    """Tensor parallelism (strategies tp and fsdp_tp; src/dtlab/strategies/tp.py)."""
-
-    degree: NonNegativeInt = 0  # ranks per tensor-parallel group; 0 = every rank
-
-
-class PPOptions(Section):
-    """Pipeline parallelism (strategy pp; src/dtlab/strategies/pp.py)."""
-
-    degree: NonNegativeInt = 0  # ranks per pipeline; 0 = every rank
-    schedule: Literal[PP_SCHEDULES] = "1f1b"  # type: ignore[valid-type]
-    microbatches: PositiveInt = 4  # per micro batch (each rank's batch is split into these)
-    stages_per_rank: NonNegativeInt = 0  # 0 = 2 for interleaved_1f1b/looped_bfs, else 1
-    dp: Literal["ddp", "fsdp"] = "fsdp"  # how pipeline replicas (world / degree > 1) sync
-
-    def stages_each(self) -> int:
-        return self.stages_per_rank or (2 if self.schedule in MULTI_STAGE_SCHEDULES else 1)
-
-
-class StrategyConfig(Section):
-    name: Literal[STRATEGIES] = "single"  # type: ignore[valid-type]
-    sync_batchnorm: bool = False
-    ddp: DDPOptions = Field(default_factory=DDPOptions)
-    fsdp: FSDPOptions = Field(default_factory=FSDPOptions)
-    fsdp1: FSDP1Options = Field(default_factory=FSDP1Options)
-    zero1: Zero1Options = Field(default_factory=Zero1Options)
-    deepspeed: DeepSpeedOptions = Field(default_factory=DeepSpeedOptions)
-    tp: TPOptions = Field(default_factory=TPOptions)
-    pp: PPOptions = Field(default_factory=PPOptions)
+# `strategy.name`, `strategy.sync_batchnorm`, and one section of options per strategy that has
+# them, declared beside the strategy (dtlab/strategies/<name>_spec.py) and listed by the registry.
+StrategyConfig = create_model(
+    "StrategyConfig", __base__=Section,
+    name=(Literal[registry.NAMES], "single"),  # type: ignore[valid-type]
+    sync_batchnorm=(bool, False),
+    **{spec.name: (spec.options, Field(default_factory=spec.options))
+       for spec in registry.SPECS.values() if spec.options is not None},
+)
 
 
 # ------------------------------------------------------------------------------------------- run
@@ -298,213 +212,10 @@ class Config(Section):
                 f"model.name={self.model.name} cannot train on data.name={self.data.name}; "
                 "fix: use gpt with data.name=synthetic|tokens, cnn/resnet with synthetic|cifar10|mnist"
             )
-        bn = self.model.name == "resnet" or (self.model.name == "cnn" and self.model.batch_norm)
-        if self.train.compile and self.strategy.name == "fsdp" and bn:
-            raise ValueError(
-                "train.compile with strategy fsdp fails on BatchNorm models in this torch release; "
-                "fix: set train.compile=false, or use strategy ddp/fsdp1"
-            )
+        spec = registry.of(self)
+        if spec.validate is not None:
+            try:
+                spec.validate(self)
+            except ConfigError as e:  # pydantic reports ValueErrors as the config's problem
+                raise ValueError(str(e)) from None
         return self
-
-
-# -------------------------------------------------------------------------------- world checks
-def model_parallel_size(cfg: Config, world_size: int) -> int:
-    """Ranks that hold one copy of the model between them (1 for data-parallel strategies)."""
-    s = cfg.strategy
-    if s.name in ("tp", "fsdp_tp"):
-        return s.tp.degree or world_size
-    if s.name == "pp":
-        return s.pp.degree or world_size
-    return 1
-
-
-def data_parallel_size(cfg: Config, world_size: int) -> int:
-    """Replicas the global batch is split over: the ranks not spent on model parallelism."""
-    return max(1, world_size // model_parallel_size(cfg, world_size))
-
-
-def check_model_parallel(cfg: Config, world_size: int) -> None:
-    """tp, fsdp_tp and pp: what the mesh, the GPT and the batch must satisfy."""
-    s, t, m = cfg.strategy, cfg.train, cfg.model
-    name = s.name
-    key = "strategy.pp.degree" if name == "pp" else "strategy.tp.degree"
-    if not isinstance(m, GPTConfig):
-        raise ConfigError(
-            f"strategy.name={name} splits a GPT's layers, not model.name={m.name}; "
-            "fix: use model.name=gpt, or a data-parallel strategy (ddp, fsdp, fsdp1)"
-        )
-    degree = model_parallel_size(cfg, world_size)
-    if degree > world_size or world_size % degree:
-        raise ConfigError(
-            f"{key}={degree} does not divide world_size={world_size} into a mesh; "
-            f"fix: set {key} to a divisor of {world_size} (0 = every rank)"
-        )
-    if name == "tp" and degree != world_size:
-        raise ConfigError(
-            f"strategy.name=tp puts every rank in one tensor-parallel group, but "
-            f"strategy.tp.degree={degree} < world_size={world_size}; fix: strategy.tp.degree=0, "
-            "or strategy.name=fsdp_tp for a data-parallel dimension"
-        )
-    if m.tie_weights:
-        raise ConfigError(
-            f"model.tie_weights with strategy.name={name} is not supported (the embedding and "
-            "the head are split differently); fix: set model.tie_weights=false"
-        )
-    if t.compile or t.precision == "fp16" or cfg.run.comm_breakdown:
-        what = ("train.compile" if t.compile else
-                "train.precision=fp16" if t.precision == "fp16" else "run.comm_breakdown")
-        raise ConfigError(
-            f"{what} is not supported with strategy.name={name}; fix: turn it off "
-            "(bf16 works for precision)"
-        )
-    if name in ("tp", "fsdp_tp"):
-        for what, value in (("model.n_head", m.n_head), ("model.vocab_size", m.vocab_size),
-                            ("model.block_size", m.block_size)):
-            if value % degree:
-                raise ConfigError(
-                    f"{what}={value} is not divisible by the tensor-parallel degree {degree} "
-                    f"(heads, vocabulary and sequence are split over it); fix: choose {what} as "
-                    f"a multiple of {degree}, or a smaller strategy.tp.degree"
-                )
-        return
-    p = s.pp
-    stages = degree * p.stages_each()
-    if p.schedule not in MULTI_STAGE_SCHEDULES and p.stages_each() != 1:
-        raise ConfigError(
-            f"strategy.pp.schedule={p.schedule} runs one stage per rank, not "
-            f"strategy.pp.stages_per_rank={p.stages_per_rank}; fix: stages_per_rank=1, or "
-            "schedule=interleaved_1f1b|looped_bfs"
-        )
-    if stages > m.n_layer:
-        raise ConfigError(
-            f"{degree} ranks x strategy.pp.stages_per_rank={p.stages_each()} = {stages} pipeline "
-            f"stages, more than model.n_layer={m.n_layer} blocks; fix: fewer stages or more layers"
-        )
-    if p.schedule == "1f1b" and p.microbatches < degree:
-        raise ConfigError(
-            f"strategy.pp.schedule=1f1b needs strategy.pp.microbatches={p.microbatches} >= the "
-            f"pipeline degree {degree}; fix: raise strategy.pp.microbatches"
-        )
-    rounds = max(1, p.microbatches // degree)
-    if p.schedule == "interleaved_1f1b" and p.microbatches % rounds:
-        raise ConfigError(
-            f"strategy.pp.schedule=interleaved_1f1b needs strategy.pp.microbatches="
-            f"{p.microbatches} to be a multiple of its {rounds} rounds (microbatches // degree); "
-            f"fix: use a multiple of {degree}"
-        )
-
-
-def check_micro_batch(cfg: Config, micro: int) -> None:
-    p = cfg.strategy.pp
-    if cfg.strategy.name == "pp" and micro % p.microbatches:
-        raise ConfigError(
-            f"the micro batch of {micro} samples per pipeline (train.global_batch_size / "
-            f"(data-parallel size x train.grad_accum_steps)) does not split into "
-            f"strategy.pp.microbatches={p.microbatches}; fix: make it a multiple of {p.microbatches}"
-        )
-
-
-def check_world(cfg: Config, world_size: int, local_world_size: int | None = None) -> int:
-    """Checks that need the number of ranks; returns the micro batch size per rank."""
-    t, s = cfg.train, cfg.strategy
-    if s.name == "single" and world_size > 1:
-        raise ConfigError(
-            f"strategy.name=single runs one process but {world_size} ranks were started; "
-            "fix: use --nproc-per-node 1, or strategy.name=ddp|fsdp|fsdp1"
-        )
-    if s.name == "ddp" and s.ddp.comm_hook == "local_sgd" and t.checkpoint_every:
-        raise ConfigError(
-            "train.checkpoint_every with strategy.ddp.comm_hook=local_sgd is not supported (its "
-            "optimizer wrapper has no distributed state dict); fix: set one of them off"
-        )
-    if s.name == "ddp" and s.ddp.comm_hook == "local_sgd" and world_size % s.ddp.local_sgd_group_size:
-        raise ConfigError(
-            f"strategy.ddp.local_sgd_group_size={s.ddp.local_sgd_group_size} does not divide "
-            f"world_size={world_size}; fix: choose a divisor"
-        )
-    if s.name == "zero1":
-        check_zero1(cfg)
-    if s.name in MODEL_PARALLEL:
-        check_model_parallel(cfg, world_size)
-    dp = data_parallel_size(cfg, world_size)
-    per_step = dp * t.grad_accum_steps
-    if t.global_batch_size < per_step or t.global_batch_size % per_step:
-        what = f"world_size({world_size})" if dp == world_size else f"data-parallel size({dp})"
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} must be a positive multiple of "
-            f"{what} x train.grad_accum_steps({t.grad_accum_steps}) = {per_step}; "
-            f"fix: set train.global_batch_size to a multiple of {per_step}"
-        )
-    if s.name == "fsdp1" and s.fsdp1.sharding_strategy == "HYBRID_SHARD":
-        group = s.fsdp1.shard_group_size or local_world_size or world_size
-        if group < 1 or world_size % group:
-            raise ConfigError(
-                f"HYBRID_SHARD cannot split world_size={world_size} into shard groups of {group}; "
-                "fix: set strategy.fsdp1.shard_group_size to a divisor of the world size"
-            )
-    if s.name == "deepspeed":
-        check_deepspeed(cfg, world_size)
-    check_micro_batch(cfg, t.global_batch_size // per_step)
-    return t.global_batch_size // per_step
-
-
-def device_type(cfg: Config) -> str:
-    """The device type a run will use (imports torch only when run.device=auto)."""
-    if cfg.run.device != "auto":
-        return cfg.run.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def check_zero1(cfg: Config) -> None:
-    z, hook = cfg.strategy.zero1, cfg.strategy.ddp.comm_hook
-    if hook == "local_sgd":
-        raise ConfigError(
-            "strategy.ddp.comm_hook=local_sgd does not combine with strategy zero1 (post-local SGD "
-            "wraps the optimizer and averages parameters itself); fix: use strategy ddp, or "
-            "another comm_hook")
-    if not z.overlap_with_ddp:
-        return
-    backend = cfg.run.backend
-    if backend == "gloo" or (backend == "auto" and device_type(cfg) == "cpu"):
-        raise ConfigError(
-            "strategy.zero1.overlap_with_ddp=true needs the NCCL backend (PyTorch's "
-            "hook_with_zero_step refuses gloo, which may hang); fix: set it false on CPU/gloo")
-    clash = [k for k, on in (("strategy.ddp.comm_hook", hook != "none"),
-                             ("train.grad_clip", cfg.train.grad_clip > 0),
-                             ("train.checkpoint_every", cfg.train.checkpoint_every > 0)) if on]
-    if clash:
-        raise ConfigError(
-            f"strategy.zero1.overlap_with_ddp=true runs the optimizer step inside DDP's backward "
-            f"hook, so {', '.join(clash)} cannot apply; fix: turn those off or set "
-            "overlap_with_ddp=false")
-
-
-def check_deepspeed(cfg: Config, world_size: int) -> None:
-    from dtlab.config.deepspeed import deepspeed_config
-
-    t = cfg.train
-    if t.checkpoint_every or cfg.resume not in ("auto", "none"):
-        raise ConfigError(
-            "checkpoints are not supported with strategy deepspeed (its ZeRO partitions do not map "
-            "onto dtlab's DCP checkpoints); fix: set train.checkpoint_every=0 and resume=auto|none")
-    if t.compile:
-        raise ConfigError("train.compile with strategy deepspeed is not supported; "
-                          "fix: set train.compile=false")
-    deepspeed_config(cfg, world_size, device_type(cfg))  # refuses contradictions
-
-
-def check_environment(cfg: Config) -> None:
-    """Options that need an optional package."""
-    import importlib.util
-
-    if cfg.strategy.name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError(
-            "strategy.name=deepspeed needs the deepspeed package; "
-            "fix: pip install 'dtlab[deepspeed]' (after the pinned torch), or choose another strategy")
-    if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError(
-            "run.tensorboard=true needs the tensorboard package; "
-            "fix: pip install 'dtlab[tensorboard]', or set run.tensorboard=false"
-        )

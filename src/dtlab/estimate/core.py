@@ -192,7 +192,7 @@ def exact_strategy(setup: Setup, token: str) -> tuple[Plan, Config, list, bool, 
     from dtlab.compare import parse_spec
     from dtlab.config import load_config
     from dtlab.errors import ConfigError
-    from dtlab.strategies import strategy_class
+    from dtlab.strategies.registry import strategy_class
 
     try:
         spec_overrides = parse_spec(token)

@@ -90,7 +90,7 @@ def _offloaded(zero: dict[str, Any], key: str) -> bool:
 
 def zero_stage(cfg: Config) -> int:
     """The ZeRO stage a run of `cfg` uses (strategy.deepspeed.zero_stage, else the JSON's)."""
-    from dtlab.config.deepspeed import DEFAULT_STAGE, read_json
+    from dtlab.strategies.deepspeed_config import DEFAULT_STAGE, read_json
 
     o = cfg.strategy.deepspeed
     if o.zero_stage is not None:
@@ -101,7 +101,7 @@ def zero_stage(cfg: Config) -> int:
 
 def zero_options(cfg: Config, world: int, device: str = "cpu") -> ZeroOptions:
     """The options a run of `cfg` gives DeepSpeed (dtlab's own config mapping, JSON included)."""
-    from dtlab.config.deepspeed import deepspeed_config
+    from dtlab.strategies.deepspeed_config import deepspeed_config
 
     ds = deepspeed_config(cfg, world, device)
     zero = ds["zero_optimization"]

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.errors import DtlabError
+from dtlab.strategies import registry
 
 RANK_KEYS = ("nproc_per_node", "nnodes")  # the x axis, not a series
-STRATEGY_KEYS = ("strategy.name", "strategy.fsdp1.sharding_strategy", "strategy.deepspeed.zero_stage",
-                 "strategy.pp.schedule")
+# keys that name a strategy variant: part of the strategy label, not of the series
+STRATEGY_KEYS = ("strategy.name", *(s.variant[0] for s in registry.SPECS.values() if s.variant))
 COLUMNS = [
     "series", "strategy", "world_size", "nnodes", "status", "reason", "model", "n_params", "data",
     "precision", "global_batch_size", "micro_batch_size", "grad_accum_steps", "steps",
@@ -30,20 +31,6 @@ COLUMNS = [
 METRIC = re.compile(r"\[METRIC\]\s+(.*)")
 
 
-def strategy_label(summary: dict[str, Any]) -> str:
-    name = summary.get("strategy", "")
-    options = summary.get("strategy_options") or {}
-    if name == "fsdp1" and options.get("sharding_strategy", "FULL_SHARD") != "FULL_SHARD":
-        return f"fsdp1:{options['sharding_strategy']}"
-    if name == "deepspeed" and options.get("zero_stage"):
-        return f"deepspeed:{options['zero_stage']}"  # as `dtlab compare --strategies` names it
-    label = f"pp:{options.get('schedule', '1f1b')}" if name == "pp" else name
-    mesh = options.get("mesh") or {}
-    if len(mesh) == 2 and list(mesh.values())[0] > 1:  # model parallel with replicas: DPxMP
-        label += "@{}x{}".format(*mesh.values())
-    return label
-
-
 def row_from_run(run_dir: Path, root: Path) -> dict[str, Any]:
     summary_path, record_path = run_dir / "summary.json", run_dir / "run.json"
     s = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
@@ -54,7 +41,7 @@ def row_from_run(run_dir: Path, root: Path) -> dict[str, Any]:
     row: dict[str, Any] = {k: s.get(k) for k in COLUMNS if k in s}
     peak = mem.get("peak_allocated_bytes") or mem.get("peak_rss_bytes") or []
     row.update(
-        strategy=strategy_label(s) or rec.get("combo", {}).get("strategy.name"),
+        strategy=registry.label(s) or rec.get("combo", {}).get("strategy.name"),
         world_size=s.get("world_size") or (rec.get("nproc_per_node", 1) * rec.get("nnodes", 1)),
         nnodes=s.get("nnodes") or rec.get("nnodes"),
         status=rec.get("status", "done" if s else "unknown"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from dtlab.strategies import registry
+
 MiB = 1024 * 1024
 
 
@@ -19,6 +21,11 @@ def _rest(r: dict[str, Any]) -> str:
     return series.partition(", ")[2]
 
 
+def _shards(r: dict[str, Any]) -> bool:
+    spec = registry.spec_of_label(r.get("strategy") or "")
+    return spec is not None and spec.shards_state
+
+
 def _ranks(n: float) -> str:
     return f"{n:g} rank" + ("" if n == 1 else "s")
 
@@ -26,16 +33,17 @@ def _ranks(n: float) -> str:
 def findings(rows: list[dict[str, Any]]) -> list[str]:
     done = [r for r in rows if r.get("status") in (None, "done") and _num(r, "world_size")]
     out: list[str] = []
-    ddp = {(r["world_size"], _rest(r)): r for r in done if r.get("strategy") == "ddp"}
+    base = registry.BASELINE
+    ddp = {(r["world_size"], _rest(r)): r for r in done if r.get("strategy") == base}
     for r in done:
         ref = ddp.get((r["world_size"], _rest(r)))
-        if r.get("strategy") in (None, "ddp") or not ref or r["world_size"] < 2:
+        if r.get("strategy") in (None, base) or not ref or r["world_size"] < 2:
             continue
         parts = []
         for key, what in (("param_bytes", "parameter bytes"), ("state_bytes", "training state")):
             a, b = _num(r, key), _num(ref, key)
             if a is not None and b:
-                parts.append(f"{100 * a / b:.0f}% of ddp's {what} per rank")
+                parts.append(f"{100 * a / b:.0f}% of {base}'s {what} per rank")
         a, b = _num(r, "samples_per_s"), _num(ref, "samples_per_s")
         speed = f"; throughput {100 * (a / b - 1):+.0f}%" if a is not None and b else ""
         if parts:
@@ -72,20 +80,21 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
                 ties = [r["series"] for r in lean if r["state_bytes"] <= 1.01 * least]
                 text += f", the leanest {' and '.join(ties)} ({least / MiB:.2f} MiB of state per rank)"
             out.append(text + ".")
-        cpu_fsdp = [r for r in runs if r.get("device") == "cpu" and str(r.get("strategy", "")).startswith("fsdp")]
+        cpu_fsdp = [r for r in runs if r.get("device") == "cpu" and _shards(r)]
         if n > 1 and cpu_fsdp and ddp.get((n, "")) and _num(ddp[(n, "")], "peak_memory_bytes"):
             r, ref = cpu_fsdp[0], ddp[(n, "")]
             if _num(r, "peak_memory_bytes") and _num(r, "state_bytes") and _num(ref, "state_bytes"):
                 out.append(
                     f"On CPU at {_ranks(n)}, peak RSS does not show sharding: {r['series']} peaks at "
-                    f"{r['peak_memory_bytes'] / MiB:.0f} MiB vs ddp's {ref['peak_memory_bytes'] / MiB:.0f} MiB "
+                    f"{r['peak_memory_bytes'] / MiB:.0f} MiB vs {base}'s {ref['peak_memory_bytes'] / MiB:.0f} MiB "
                     f"while holding {100 * r['state_bytes'] / ref['state_bytes']:.0f}% of its state.")
 
-    verified = [r for r in done if _num(r, "loss_dev") is not None and r.get("series") != "single"]
+    verified = [r for r in done if _num(r, "loss_dev") is not None
+                and r.get("series") != registry.REFERENCE]
     if verified:
         loss, params = max(r["loss_dev"] for r in verified), max(r["param_dev"] for r in verified)
         names = ", ".join(dict.fromkeys(str(r["series"]) for r in verified))
-        out.append(f"{names} train the same function as single: per-step losses within {loss:.1e} "
+        out.append(f"{names} train the same function as {registry.REFERENCE}: per-step losses within {loss:.1e} "
                    f"and final parameters within {params:.1e} (relative, dtlab compare --verify).")
 
     failed = [r for r in rows if r.get("status") not in (None, "done")]

@@ -1,13 +1,15 @@
 """The strategy interface: everything the training loop needs to know about a parallelism.
 
-A strategy wraps the model, builds the optimizer over what the wrapped model holds (its shards),
-says which data-parallel replica this rank belongs to (the data loaders deal batches by it), runs
-one micro batch's forward and backward, controls gradient synchronisation for accumulation micro
-steps, clips gradients correctly for its layout, picks the autocast/grad-scaler pair for the
-precision, reduces metrics over the replicas, evaluates, and produces state dicts.
+A strategy wraps the model and builds the optimizer over what the wrapped model holds (its
+shards), in one call (`setup`); says which data-parallel replica this rank belongs to (the data
+loaders deal batches by it); runs one micro batch's forward and backward; keeps gradients local on
+accumulation micro steps (`no_sync`); computes (and clips) the global gradient norm for its layout;
+picks the autocast/grad-scaler pair for the precision; reduces metrics over the replicas;
+evaluates; and produces state dicts.
 
-The defaults below serve the data-parallel strategies (every rank is its own replica); tensor and
-pipeline parallelism, and engines with their own backward (DeepSpeed), override what differs.
+The step itself is dtlab/step.py's: it drives a `StepEngine`, by default the one below, over the
+strategy's pieces. Strategies that own the whole forward/backward of a step (pipeline schedules,
+DeepSpeed's engine) return their own engine from `step_engine`, the one branch in the loop.
 """
 
 from __future__ import annotations
@@ -44,21 +46,23 @@ class Strategy:
     name = "base"
     wrapper_casts = False  # the wrapper applies mixed precision itself (no autocast on top)
     sharded_grads = False  # gradients are shards: fp16 loss scaling needs ShardedGradScaler
+    no_sync_is_local = False  # no_sync() skips every collective (a compute-only step is measurable)
 
     def __init__(self, cfg: Config, ctx: DistContext) -> None:
         self.cfg, self.ctx = cfg, ctx
         self.precision = cfg.train.precision
+        self.dp_mesh: Any = None  # a DeviceMesh's "dp" dimension, for strategies on a 2-D mesh
 
     # --- which data this rank trains on -----------------------------------------------------
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel replica: ranks of one replica see the same samples."""
-        return self.ctx.rank
+        return self.ctx.rank if self.dp_mesh is None else self.dp_mesh.get_local_rank()
 
     @property
     def dp_size(self) -> int:
         """Number of data-parallel replicas (the global batch is split over these)."""
-        return self.ctx.world_size
+        return self.ctx.world_size if self.dp_mesh is None else self.dp_mesh.size()
 
     # --- model and optimizer -------------------------------------------------------------
     def prepare(self, model: nn.Module) -> nn.Module:
@@ -70,13 +74,18 @@ class Strategy:
         return model.to(self.ctx.device)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must wrap the model")
 
-    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        # Built after wrapping, over the wrapped model's (possibly sharded) parameters.
-        return build_optimizer(model.parameters(), self.cfg.train)
+    def setup(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """The wrapped model and the optimizer over what it holds on this rank (its shards)."""
+        model = self.wrap(model)
+        return model, build_optimizer(model.parameters(), self.cfg.train)
 
-    # --- the step ------------------------------------------------------------------------
+    def step_engine(self, model: nn.Module, forward: nn.Module,
+                    optimizer: torch.optim.Optimizer) -> StepEngine:
+        return StepEngine(self, model, forward, optimizer)
+
+    # --- one micro batch ------------------------------------------------------------------
     def forward_backward(self, forward: nn.Module, x: torch.Tensor, y: torch.Tensor,
                          loss_hook: LossHook) -> torch.Tensor:
         """One micro batch: forward, loss, backward. Returns this rank's loss (detached)."""
@@ -85,19 +94,9 @@ class Strategy:
         root.backward()
         return report.detach()
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
-
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """Drop the gradients before a step's first micro batch."""
-        optimizer.zero_grad(set_to_none=True)
-
-    def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Discard this step's gradients without applying them (a non-finite step, nan_policy=skip)."""
-        optimizer.zero_grad(set_to_none=True)
-
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
-        """Context for accumulation micro steps whose gradients must not be synchronised yet."""
+        """Context for accumulation micro steps whose gradients must not be synchronised yet
+        (one process: there is nothing to synchronise)."""
         return nullcontext()
 
     def autocast(self) -> AbstractContextManager[Any]:
@@ -113,15 +112,17 @@ class Strategy:
             return ShardedGradScaler(self.ctx.device.type)
         return torch.amp.GradScaler(self.ctx.device.type)
 
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        # DTensor gradients (FSDP2, TP): the norm is computed over all shards (a DTensor result).
-        return full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-
-    def grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """The global gradient norm, without clipping. Replicated gradients: a local computation;
-        DTensor gradients: the DTensor's full value reduces over the shards."""
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        return full_value(torch.nn.utils.get_total_norm(grads)) if grads else torch.zeros(())
+    def grad_norm(self, model: nn.Module, clip: float = 0.0) -> torch.Tensor:
+        """The global gradient norm, the same on every rank, clipping the gradients to `clip`
+        when it is > 0. Replicated gradients: a local computation; DTensor gradients (FSDP2,
+        TP): the DTensor's full value reduces over the shards."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        if not params:
+            return torch.zeros(())
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if clip:  # with the norm as computed: a DTensor scales DTensor gradients
+            torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+        return full_value(norm)
 
     # --- metrics and evaluation ------------------------------------------------------------
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -186,8 +187,55 @@ class Strategy:
         """The options that define this strategy's behaviour, for summary.json."""
         return {}
 
+
+class StepEngine:
+    """What one optimizer step does with a model and a torch optimizer, through the strategy's
+    pieces. dtlab/step.py drives it: zero_grad, micro_step per micro batch, grad_norm, then step
+    (or skip, for a non-finite step under nan_policy=skip)."""
+
+    def __init__(self, strategy: Strategy, model: nn.Module, forward: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+        self.strategy, self.model, self.forward, self.optimizer = strategy, model, forward, optimizer
+        self.scaler = strategy.grad_scaler()
+        # Observers of the step, called as probe(event, step) with event "micro" (after an
+        # accumulation micro step), "before_step" or "after_step"
+        self.probes: list[Callable[[str, int], None]] = []
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """What to backpropagate: the loss, scaled for fp16."""
+        return self.scaler.scale(loss) if self.scaler else loss
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, loss_hook: LossHook,
+                   sync: bool) -> torch.Tensor:
+        with nullcontext() if sync else self.strategy.no_sync(self.model):
+            return self.strategy.forward_backward(self.forward, x, y, loss_hook)
+
+    def grad_norm(self, clip: float) -> torch.Tensor | None:
+        """The global norm (clipping to `clip` > 0); None under fp16 loss scaling, whose scaler
+        finds non-finite gradients and skips those steps itself."""
+        if self.scaler is None:
+            return self.strategy.grad_norm(self.model, clip)
+        if clip:
+            self.scaler.unscale_(self.optimizer)
+            self.strategy.grad_norm(self.model, clip)
+        return None
+
+    def step(self) -> None:
+        if self.scaler is None:
+            self.optimizer.step()
+            return
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def skip(self) -> None:
+        """Drop this step's gradients without applying them."""
+        self.optimizer.zero_grad(set_to_none=True)
+
     def measurements(self) -> dict[str, Any]:
-        """What this strategy measured itself, for summary.json (every rank calls it)."""
+        """What the engine measured about its steps, for summary.json (every rank calls it)."""
         return {}
 
 
@@ -205,18 +253,3 @@ def eval_totals(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> to
         ((logits.argmax(-1) == y).double() * weight).sum(),
         weight.sum(),
     ])
-
-
-class MeshDataParallel:
-    """For strategies on a 2-D ("dp", other) device mesh (tp, fsdp_tp, pp): the data-parallel
-    replica is the rank's coordinate on the "dp" dimension. List it before Strategy."""
-
-    mesh: Any  # a DeviceMesh with a "dp" dimension (DTensor is imported only by these strategies)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
-
-    @property
-    def dp_size(self) -> int:
-        return self.mesh["dp"].size()

@@ -16,6 +16,7 @@ from dtlab.strategies.base import Strategy
 
 class DDP(Strategy):
     name = "ddp"
+    no_sync_is_local = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         o = self.cfg.strategy.ddp
@@ -31,8 +32,9 @@ class DDP(Strategy):
         ddp_hooks.register(ddp, o)
         return ddp
 
-    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return ddp_hooks.wrap_optimizer(super().build_optimizer(model), self.cfg.strategy.ddp)
+    def setup(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model, optimizer = super().setup(model)
+        return model, ddp_hooks.wrap_optimizer(optimizer, self.cfg.strategy.ddp)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         return model.no_sync()

@@ -3,16 +3,16 @@
 The engine runs inside dtlab's loop: dtlab's process group (DeepSpeed sees it is initialised and
 neither re-initialises it nor looks for MPI), dtlab's data, dtlab's torch optimizer (DeepSpeed
 partitions its state) and LambdaLR (it sets the lr of that optimizer, which DeepSpeed steps).
-The config comes from dtlab/config/deepspeed.py.
+The config comes from deepspeed_config.py.
 
 - ZeRO 1: optimizer state and fp32 master weights partitioned; gradients reduced at the step.
 - ZeRO 2: gradients also partitioned: reduced bucket by bucket during backward, each rank keeps
   the part it updates.
 - ZeRO 3: parameters partitioned too: gathered per module for its forward and backward.
-One step: engine.backward on each micro batch (gradient accumulation boundary on the last one
-only), DeepSpeed's global gradient norm for dtlab's non-finite check, engine.step (DeepSpeed clips
-with train.grad_clip and skips a non-finite step by itself). `deepspeed` is imported here only,
-so dtlab works without the extra.
+The engine owns the step (DeepSpeedStep below): engine.backward on each micro batch, DeepSpeed's
+global gradient norm for dtlab's non-finite check, engine.step (DeepSpeed clips with
+train.grad_clip and skips a non-finite step by itself). `deepspeed` is imported here only, so
+dtlab works without the extra.
 """
 
 from __future__ import annotations
@@ -20,17 +20,16 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
-from dtlab.config.deepspeed import deepspeed_config
 from dtlab.errors import ConfigError
+from dtlab.models import loss_fn
 from dtlab.optim import build_optimizer
-from dtlab.strategies.base import DTYPES, Strategy
+from dtlab.strategies.base import DTYPES, LossHook, StepEngine, Strategy
+from dtlab.strategies.deepspeed_config import deepspeed_config
 from dtlab.strategies.deepspeed_memory import held_bytes
 
 
@@ -62,7 +61,9 @@ class DeepSpeed(Strategy):
     name = "deepspeed"
     wrapper_casts = True  # bf16/fp16: DeepSpeed keeps low-precision parameters itself
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def setup(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """The engine, and the torch optimizer it steps over its fp32 partitions (dtlab's LambdaLR
+        sets that optimizer's lr; dtlab never steps it directly)."""
         deepspeed = import_deepspeed(self.ctx.device, self.cfg.strategy.deepspeed.shm_comm)
         env = self.ctx.env  # DeepSpeed asserts LOCAL_RANK is set; a one-process run sets nothing
         for key, value in (("LOCAL_RANK", env.local_rank), ("RANK", env.rank),
@@ -70,98 +71,20 @@ class DeepSpeed(Strategy):
             os.environ.setdefault(key, str(value))
         model = self.prepare(model)
         self.ds_config = deepspeed_config(self.cfg, self.ctx.world_size, self.ctx.device.type)
-        self.client_optimizer = build_optimizer(model.parameters(), self.cfg.train)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.client_optimizer,
+        optimizer = build_optimizer(model.parameters(), self.cfg.train)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                config=self.ds_config, dist_init_required=False)
         self.stage = self.engine.zero_optimization_stage()
         self.engine.set_gradient_accumulation_boundary(True)
         if self.precision != "fp32":
-            self._cast_at_the_edges(self.engine.module, DTYPES[self.precision])
-        self._peak: dict[str, int] = {}
-        self._steps = 0
-        return self.engine
+            cast_at_the_edges(self.engine.module, DTYPES[self.precision])
+        self.held = HeldBytes(self.engine)
+        return self.engine, optimizer
 
-    @staticmethod
-    def _cast_at_the_edges(module: nn.Module, dtype: torch.dtype) -> None:
-        """DeepSpeed's bf16/fp16 modes cast the parameters, not the inputs: cast floating inputs
-        to the parameter dtype, and the outputs back to fp32 for the loss (as autocast does)."""
+    def step_engine(self, model: nn.Module, forward: nn.Module,
+                    optimizer: torch.optim.Optimizer) -> StepEngine:
+        return DeepSpeedStep(self, model, forward, optimizer)
 
-        def inputs(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-            return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a
-                         for a in args)
-
-        def output(_: nn.Module, __: Any, out: torch.Tensor) -> torch.Tensor:
-            return out.float()
-
-        module.register_forward_pre_hook(inputs)
-        module.register_forward_hook(output)
-
-    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        # The torch optimizer DeepSpeed steps (over its fp32 partitions): dtlab's LambdaLR sets
-        # its lr. dtlab never steps it directly (see optimizer_step).
-        return self.client_optimizer
-
-    # --- the step ------------------------------------------------------------------------
-    def forward_backward(self, forward: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                         loss_hook: Any) -> torch.Tensor:
-        from dtlab.models import loss_fn
-
-        report, root = loss_hook(loss_fn(forward(x), y))  # root: already / grad_accum_steps
-        self.engine.backward(root, scale_wrt_gas=False)  # fp16: DeepSpeed scales the loss
-        return report.detach()
-
-    @contextmanager
-    def _accumulating(self) -> Iterator[None]:
-        self.engine.set_gradient_accumulation_boundary(False)
-        try:
-            yield
-        finally:
-            self.engine.set_gradient_accumulation_boundary(True)
-        if self._steps < 2:  # ZeRO 1 holds the unreduced gradients between micro batches
-            self._record_bytes()
-
-    def no_sync(self, model: nn.Module) -> Any:
-        # Not a boundary: ZeRO 1 keeps gradients local; ZeRO 2/3 still reduce them into the
-        # owners' partitions (their design), accumulating there until the step.
-        return self._accumulating()
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._steps += 1
-        measure = self._steps <= 2  # before a step: all gradients; after: the optimizer state
-        if measure:
-            self._record_bytes()
-        self.engine.step()
-        if measure:
-            self._record_bytes()
-
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        pass  # the engine frees its gradients after each step
-
-    def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # DeepSpeed sees the same non-finite norm, skips the update and drops the gradients.
-        self.engine.step()
-
-    def grad_scaler(self) -> None:
-        return None  # fp16: DeepSpeed's own dynamic loss scaler
-
-    def grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """DeepSpeed's global norm of the reduced gradients (before clipping), on every rank."""
-        if self.precision == "fp16":
-            # Overflow is routine under loss scaling: DeepSpeed skips the step and lowers the
-            # scale (as torch's GradScaler does for the other strategies).
-            return torch.zeros(())
-        from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
-
-        opt = self.engine.optimizer
-        norm = (combine_grad_norm_groups(opt._get_norm_groups()) if self.stage == 3
-                else opt.scaled_global_norm())
-        norm = torch.as_tensor(norm, dtype=torch.float32).cpu() / float(opt.loss_scale)
-        return torch.full((), float("inf")) if is_invalid_grad_norm(norm) else norm
-
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        return self.grad_norm(model)  # DeepSpeed clips inside engine.step (gradient_clipping)
-
-    # --- state ---------------------------------------------------------------------------
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                    full: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
         """full=True: the fp32 master weights gathered into full tensors, with single's keys."""
@@ -179,17 +102,94 @@ class DeepSpeed(Strategy):
             out[name] = value.detach().float() if value.is_floating_point() else value.detach()
         return out, {}
 
-    def _record_bytes(self) -> None:
-        for key, value in held_bytes(self.engine).items():
-            self._peak[key] = max(self._peak.get(key, 0), value)
-
     def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """The largest bytes per kind seen just before and after the first two optimizer steps
-        (not at the end: after an evaluation ZeRO 3 leaves the parameters gathered)."""
-        if not self._peak:
-            self._record_bytes()
-        return dict(self._peak)
+        """The largest bytes per kind seen around the first two optimizer steps (not at the end:
+        after an evaluation ZeRO 3 leaves the parameters gathered)."""
+        return self.held.peak()
 
     def describe(self) -> dict[str, Any]:
         return {**self.cfg.strategy.deepspeed.model_dump(), "zero_stage": self.stage,
                 "deepspeed_config": self.ds_config}
+
+
+class DeepSpeedStep(StepEngine):
+    """DeepSpeed's engine owns the step: engine.backward on each micro batch (a gradient
+    accumulation boundary on the last one only), its own loss scaling (fp16), clipping
+    (`gradient_clipping`, inside engine.step) and skipping of non-finite steps."""
+
+    def __init__(self, strategy: DeepSpeed, model: nn.Module, forward: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(strategy, model, forward, optimizer)
+        self.engine, self.stage, self.scaler = strategy.engine, strategy.stage, None
+        self.probes.append(strategy.held.record)
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, loss_hook: LossHook,
+                   sync: bool) -> torch.Tensor:
+        # Not a boundary: ZeRO 1 keeps gradients local; ZeRO 2/3 still reduce them into the
+        # owners' partitions (their design), accumulating there until the step.
+        self.engine.set_gradient_accumulation_boundary(sync)
+        try:
+            report, root = loss_hook(loss_fn(self.forward(x), y))  # root: / grad_accum_steps
+            self.engine.backward(root, scale_wrt_gas=False)  # fp16: DeepSpeed scales the loss
+        finally:
+            self.engine.set_gradient_accumulation_boundary(True)
+        return report.detach()
+
+    def grad_norm(self, clip: float) -> torch.Tensor | None:
+        """DeepSpeed's global norm of the reduced gradients, before the clipping engine.step
+        applies; None under fp16, where overflow is routine: DeepSpeed skips the step and lowers
+        the scale (as torch's GradScaler does for the other strategies)."""
+        if self.strategy.precision == "fp16":
+            return None
+        from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+
+        opt = self.engine.optimizer
+        norm = (combine_grad_norm_groups(opt._get_norm_groups()) if self.stage == 3
+                else opt.scaled_global_norm())
+        norm = torch.as_tensor(norm, dtype=torch.float32).cpu() / float(opt.loss_scale)
+        return torch.full((), float("inf")) if is_invalid_grad_norm(norm) else norm
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def skip(self) -> None:
+        self.engine.step()  # DeepSpeed sees the same non-finite norm, skips and drops the gradients
+
+
+def cast_at_the_edges(module: nn.Module, dtype: torch.dtype) -> None:
+    """DeepSpeed's bf16/fp16 modes cast the parameters, not the inputs: cast floating inputs to
+    the parameter dtype, and the outputs back to fp32 for the loss (as autocast does)."""
+
+    def inputs(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a
+                     for a in args)
+
+    def output(_: nn.Module, __: Any, out: torch.Tensor) -> torch.Tensor:
+        return out.float()
+
+    module.register_forward_pre_hook(inputs)
+    module.register_forward_hook(output)
+
+
+class HeldBytes:
+    """Observes the first optimizer steps (a probe of dtlab/step.py): the bytes DeepSpeed holds
+    per kind after each accumulation micro step (ZeRO 1 keeps unreduced gradients between them)
+    and just before and after each step (before: all gradients; after: the optimizer state)."""
+
+    STEPS = 2
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self._peak = engine, {}
+
+    def record(self, event: str, step: int) -> None:
+        if step <= self.STEPS:
+            for key, value in held_bytes(self.engine).items():
+                self._peak[key] = max(self._peak.get(key, 0), value)
+
+    def peak(self) -> dict[str, int]:
+        if not self._peak:
+            self.record("end", 0)
+        return dict(self._peak)

@@ -77,11 +77,13 @@ class FSDP1(Strategy):
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         return model.no_sync()
 
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        return model.clip_grad_norm_(max_norm)  # reduces the norm over the shards
+    @property
+    def no_sync_is_local(self) -> bool:  # type: ignore[override]
+        return self.cfg.strategy.fsdp1.sharding_strategy == "NO_SHARD"
 
-    def grad_norm(self, model: nn.Module) -> torch.Tensor:
-        return model.clip_grad_norm_(float("inf"))  # clipping at infinity: the norm, unchanged
+    def grad_norm(self, model: nn.Module, clip: float = 0.0) -> torch.Tensor:
+        # FSDP1 reduces the norm over the shards; clipping at infinity leaves the gradients as they are
+        return model.clip_grad_norm_(clip or float("inf"))
 
     def describe(self) -> dict[str, Any]:
         return self.cfg.strategy.fsdp1.model_dump()

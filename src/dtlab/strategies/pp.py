@@ -35,14 +35,13 @@ from torch.distributed.pipelining import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from dtlab.config import Config, model_parallel_size
+from dtlab.config import model_parallel_size
 from dtlab.data import EvalLoader
-from dtlab.distributed import DistContext
 from dtlab.models import loss_fn
 from dtlab.strategies.base import (
     DTYPES,
     LossHook,
-    MeshDataParallel,
+    StepEngine,
     Strategy,
     eval_totals,
     full_value,
@@ -61,28 +60,24 @@ def split_blocks(n_layer: int, n_stages: int) -> list[list[str]]:
             for s in range(n_stages)]
 
 
-class PP(MeshDataParallel, Strategy):
+class PP(Strategy):
     name = "pp"
-
-    def __init__(self, cfg: Config, ctx: DistContext) -> None:
-        super().__init__(cfg, ctx)
-        o = cfg.strategy.pp
-        self.degree = model_parallel_size(cfg, ctx.world_size)
-        self.per_rank, self.microbatches = o.stages_each(), o.microbatches
-        self.n_stages = self.degree * self.per_rank
-        self.mesh = init_device_mesh(ctx.device.type, (ctx.world_size // self.degree, self.degree),
-                                     mesh_dim_names=("dp", "pp"))
-        self.pp_group = self.mesh.get_group("pp")
-        self.pp_rank = self.mesh["pp"].get_local_rank()
-        self.stage_ids = [self.pp_rank + i * self.degree for i in range(self.per_rank)]
-        self.has_first, self.has_last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
-        self.busy_s = 0.0
-        self.timings: list[tuple[float, float]] = []  # (busy, wall) of each schedule step
-        self._hook: LossHook | None = None
-        self._reports: list[torch.Tensor] = []
 
     # --- splitting ------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
+        cfg, ctx, o = self.cfg, self.ctx, self.cfg.strategy.pp
+        self.degree = model_parallel_size(cfg, ctx.world_size)
+        self.per_rank, self.microbatches = o.stages_each(), o.microbatches
+        self.n_stages = self.degree * self.per_rank
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size // self.degree, self.degree),
+                                mesh_dim_names=("dp", "pp"))
+        self.dp_mesh, self.pp_group = mesh["dp"], mesh.get_group("pp")
+        self.pp_rank = mesh["pp"].get_local_rank()
+        self.stage_ids = [self.pp_rank + i * self.degree for i in range(self.per_rank)]
+        self.has_first, self.has_last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
+        # FSDP's MixedPrecisionPolicy casts parameters and inputs when it syncs the replicas
+        self.wrapper_casts = self.dp_size > 1 and o.dp == "fsdp"
+
         model = self.prepare(model)
         self.blocks = split_blocks(len(model.h), self.n_stages)
         last = self.n_stages - 1
@@ -92,28 +87,23 @@ class PP(MeshDataParallel, Strategy):
         parts: list[nn.Module] = [held.part(self.blocks[s], s == 0, s == last)
                                   for s in self.stage_ids]
         if self.dp_size > 1:
-            if self.cfg.strategy.pp.dp == "fsdp":
-                parts = [shard(p, self.mesh["dp"], self.cfg.strategy.fsdp, self.precision,
-                               self.ctx.device) for p in parts]
+            if o.dp == "fsdp":
+                parts = [shard(p, self.dp_mesh, cfg.strategy.fsdp, self.precision, ctx.device)
+                         for p in parts]
             else:
-                dev = self.ctx.device
+                dev = ctx.device
                 parts = [DistributedDataParallel(
                     p, device_ids=[dev.index] if dev.type == "cuda" else None,
-                    process_group=self.mesh.get_group("dp")) for p in parts]
+                    process_group=mesh.get_group("dp")) for p in parts]
         self.parts = parts
-        stages = [PipelineStage(p, s, self.n_stages, self.ctx.device, group=self.pp_group,
-                                **self._shapes(s))
-                  for p, s in zip(parts, self.stage_ids, strict=True)]
-        for stage in stages:
-            for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(stage, method, self._timed(getattr(stage, method)))
-        cls = SCHEDULES[self.cfg.strategy.pp.schedule]
-        # scale_grads=False: the loss below is divided by the microbatches instead (dividing the
-        # gradients after the step would also divide earlier accumulation micro steps' share).
-        self.schedule = cls(stages if cls in (ScheduleInterleaved1F1B, ScheduleLoopedBFS)
-                            else stages[0], n_microbatches=self.microbatches,
-                            loss_fn=self._loss, scale_grads=False)
+        self.stages = [PipelineStage(p, s, self.n_stages, ctx.device, group=self.pp_group,
+                                     **self._shapes(s))
+                       for p, s in zip(parts, self.stage_ids, strict=True)]
         return held
+
+    def step_engine(self, model: nn.Module, forward: nn.Module,
+                    optimizer: torch.optim.Optimizer) -> StepEngine:
+        return PipelineStep(self, model, forward, optimizer)
 
     def _shapes(self, stage: int) -> dict[str, torch.Tensor]:
         """Each stage's input and output, given up front (meta tensors): the stage then skips
@@ -135,69 +125,12 @@ class PP(MeshDataParallel, Strategy):
         }
 
     @property
-    def wrapper_casts(self) -> bool:  # type: ignore[override]
-        return self.dp_size > 1 and self.cfg.strategy.pp.dp == "fsdp"
-
-    @property
     def hidden_dtype(self) -> torch.dtype:
         """What stages pass on: fp32 under autocast (the residual stream stays fp32), the low
         precision itself under FSDP's MixedPrecisionPolicy (parameters and inputs are cast)."""
         return DTYPES[self.precision] if self.wrapper_casts else torch.float32
 
-    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            self.ctx.synchronize()
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.ctx.synchronize()
-                self.busy_s += time.perf_counter() - t0
-        return timed
-
-    # --- the step ------------------------------------------------------------------------
-    def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Each microbatch's loss on the last stage: its share of the micro batch's mean."""
-        assert self._hook is not None
-        report, root = self._hook(loss_fn(logits, y))
-        self._reports.append(report.detach())
-        return root / self.microbatches
-
-    def forward_backward(self, forward: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                         loss_hook: LossHook) -> torch.Tensor:
-        self._hook, self._reports = loss_hook, []
-        args = (x,) if self.has_first else ()
-        self.busy_s = 0.0
-        self.ctx.synchronize()
-        t0 = time.perf_counter()
-        with self.autocast():
-            self.schedule.step(*args, target=y if self.has_last else None, return_outputs=False)
-        self.ctx.synchronize()
-        self.timings.append((self.busy_s, time.perf_counter() - t0))
-        if not self._reports:  # not the last stage: no loss here (reduce_sum counts it as 0)
-            return torch.zeros((), device=self.ctx.device)
-        return torch.stack(self._reports).sum() / self.microbatches
-
-    def grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """sqrt of the sum over the pipeline's stages of each stage's squared norm (the same value
-        on every rank); FSDP's DTensor norms are first reduced over dp by full_value."""
-        squared = super().grad_norm(model).to(self.ctx.device, torch.float64) ** 2
-        dist.all_reduce(squared, group=self.pp_group)
-        return squared.sqrt().float()
-
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        norm = self.grad_norm(model)
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
-        return norm
-
-    # --- metrics and evaluation ------------------------------------------------------------
-    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over replicas of the last stage's value: the other stages contribute zeros."""
-        if not self.has_last:
-            tensor.zero_()
-        dist.all_reduce(tensor)
-        return tensor
-
+    # --- evaluation and state -----------------------------------------------------------------
     def _peer(self, stage: int) -> int:
         return dist.get_global_rank(self.pp_group, stage % self.degree)
 
@@ -205,7 +138,8 @@ class PP(MeshDataParallel, Strategy):
     def evaluate(self, forward: nn.Module, loader: EvalLoader) -> dict[str, Any]:
         """Every evaluation batch goes through the stages in order, whole (no microbatches, no
         schedule: evaluation batches may differ in size from training's), activations sent
-        point-to-point to the next stage's rank."""
+        point-to-point to the next stage's rank. Only the last stage adds to the totals: the
+        sum over all ranks is the sum over the replicas."""
         for p in self.parts:
             p.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
@@ -229,7 +163,6 @@ class PP(MeshDataParallel, Strategy):
         loss_sum, correct, count = totals.tolist()
         return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_count": int(count)}
 
-    # --- state ---------------------------------------------------------------------------
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                    full: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
         """full=True: every stage's full state, gathered over the pipeline (the same names as the
@@ -250,18 +183,88 @@ class PP(MeshDataParallel, Strategy):
                 "microbatches": o.microbatches, "stages_per_rank": self.per_rank,
                 "dp": o.dp if self.dp_size > 1 else "none"}
 
+
+class PipelineStep(StepEngine):
+    """The schedule owns each micro batch's forward and backward: it splits the batch into
+    microbatches and sends activations and their gradients between the stages. The gradient
+    norm sums the stages' squares over the pipeline. The bubble is measured: each stage's
+    forward and backward calls are timed (busy time) against the schedule's wall time."""
+
+    def __init__(self, strategy: PP, model: nn.Module, forward: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(strategy, model, forward, optimizer)
+        self.pp, self.ctx = strategy, strategy.ctx
+        self.busy_s = 0.0
+        self.timings: list[tuple[float, float]] = []  # (busy, wall) of each schedule step
+        self._hook: LossHook | None = None
+        self._reports: list[torch.Tensor] = []
+        for stage in strategy.stages:
+            for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, method, self._timed(getattr(stage, method)))
+        cls = SCHEDULES[strategy.cfg.strategy.pp.schedule]
+        # scale_grads=False: the loss below is divided by the microbatches instead (dividing the
+        # gradients after the step would also divide earlier accumulation micro steps' share).
+        self.schedule = cls(strategy.stages if cls in (ScheduleInterleaved1F1B, ScheduleLoopedBFS)
+                            else strategy.stages[0], n_microbatches=strategy.microbatches,
+                            loss_fn=self._loss, scale_grads=False)
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self.ctx.synchronize()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ctx.synchronize()
+                self.busy_s += time.perf_counter() - t0
+        return timed
+
+    def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Each microbatch's loss on the last stage: its share of the micro batch's mean."""
+        assert self._hook is not None
+        report, root = self._hook(loss_fn(logits, y))
+        self._reports.append(report.detach())
+        return root / self.pp.microbatches
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, loss_hook: LossHook,
+                   sync: bool) -> torch.Tensor:
+        self._hook, self._reports = loss_hook, []
+        pp = self.pp
+        self.busy_s = 0.0
+        self.ctx.synchronize()
+        t0 = time.perf_counter()
+        with pp.autocast():
+            self.schedule.step(*((x,) if pp.has_first else ()),
+                               target=y if pp.has_last else None, return_outputs=False)
+        self.ctx.synchronize()
+        self.timings.append((self.busy_s, time.perf_counter() - t0))
+        if not self._reports:  # not the last stage: no loss here (a sum over ranks counts 0)
+            return torch.zeros((), device=self.ctx.device)
+        return torch.stack(self._reports).sum() / pp.microbatches
+
+    def grad_norm(self, clip: float) -> torch.Tensor | None:
+        """sqrt of the sum over the pipeline's stages of each stage's squared norm (the same value
+        on every rank); FSDP's DTensor norms are first reduced over dp by full_value."""
+        squared = self.pp.grad_norm(self.model).to(self.ctx.device, torch.float64) ** 2
+        dist.all_reduce(squared, group=self.pp.pp_group)
+        norm = squared.sqrt().float()
+        if clip:
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), clip, norm)
+        return norm
+
     def measurements(self) -> dict[str, Any]:
         """The pipeline bubble, measured per rank over the timed steps, and the theory."""
-        warm = self.cfg.run.timing_warmup_steps * self.cfg.train.grad_accum_steps
+        pp = self.pp
+        warm = pp.cfg.run.timing_warmup_steps * pp.cfg.train.grad_accum_steps
         timed = self.timings[warm:] or self.timings
         busy, wall = sum(b for b, _ in timed), sum(w for _, w in timed)
         per_rank = self.ctx.gather_floats([busy / max(len(timed), 1), wall / max(len(timed), 1)])
         bubbles = [1 - b / w if w else 0.0 for b, w in per_rank]
-        p, v, m = self.degree, self.per_rank, self.microbatches
+        p, v, m = pp.degree, pp.per_rank, pp.microbatches
         return {"pipeline": {
-            "schedule": self.cfg.strategy.pp.schedule, "ranks": p, "stages_per_rank": v,
-            "stages": self.n_stages, "microbatches": m,
-            "blocks_per_stage": [len(b) for b in self.blocks],
+            "schedule": pp.cfg.strategy.pp.schedule, "ranks": p, "stages_per_rank": v,
+            "stages": pp.n_stages, "microbatches": m,
+            "blocks_per_stage": [len(b) for b in pp.blocks],
             "bubble_theory": (p - 1) / (v * m + p - 1),
             "bubble_measured": sum(bubbles) / len(bubbles),
             "bubble_measured_per_rank": bubbles,

@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (
 from dtlab.config import Config, model_parallel_size
 from dtlab.distributed import DistContext
 from dtlab.models import loss_fn
-from dtlab.strategies.base import LossHook, MeshDataParallel, Strategy, full_value
+from dtlab.strategies.base import LossHook, Strategy, full_value
 from dtlab.strategies.fsdp import shard, without_gradient_sync
 
 
@@ -71,7 +71,7 @@ def _shard_grad_like_param(param: torch.Tensor) -> None:
         param.grad = param.grad.redistribute(placements=param.placements)
 
 
-class TP(MeshDataParallel, Strategy):
+class TP(Strategy):
     name = "tp"
 
     def __init__(self, cfg: Config, ctx: DistContext) -> None:
@@ -80,6 +80,7 @@ class TP(MeshDataParallel, Strategy):
         self.mesh: DeviceMesh = init_device_mesh(
             ctx.device.type, (ctx.world_size // self.degree, self.degree),
             mesh_dim_names=("dp", "tp"))
+        self.dp_mesh = self.mesh["dp"]
 
     def wrap(self, model: nn.Module) -> nn.Module:
         model = parallelize_module(self.prepare(model), self.mesh["tp"], gpt_plan())

@@ -26,13 +26,24 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from dtlab.metrics import state_bytes
 from dtlab.optim import optimizer_spec
+from dtlab.strategies.base import StepEngine
 from dtlab.strategies.ddp import DDP
+
+
+class HookStepped(StepEngine):
+    """overlap_with_ddp: each bucket's part of the optimizer step runs inside DDP's backward hook,
+    as soon as the bucket is reduced; by the time the loop would step, the step is done."""
+
+    def step(self) -> None:
+        """Nothing left to apply (fp16 loss scaling is refused with overlap_with_ddp)."""
 
 
 class Zero1(DDP):
     name = "zero1"
+    no_sync_is_local = False  # the step broadcasts the updated parameters
 
-    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+    def setup(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = self.wrap(model)
         o = self.cfg.strategy.zero1
         cls, kwargs = optimizer_spec(self.cfg.train)
         zero = ZeroRedundancyOptimizer(
@@ -47,11 +58,13 @@ class Zero1(DDP):
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
             model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, model, zero))
-        return zero
+        return model, zero
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self.cfg.strategy.zero1.overlap_with_ddp:  # else the hook has stepped already
-            optimizer.step()
+    def step_engine(self, model: nn.Module, forward: nn.Module,
+                    optimizer: torch.optim.Optimizer) -> StepEngine:
+        if self.cfg.strategy.zero1.overlap_with_ddp:
+            return HookStepped(self, model, forward, optimizer)
+        return super().step_engine(model, forward, optimizer)
 
     def owned(self, model: nn.Module, zero: ZeroRedundancyOptimizer) -> dict[str, torch.Tensor]:
         """Name -> parameter, for the parameters this rank's local optimizer updates."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from dtlab.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dtlab.config.schema import Config
+    from dtlab.config import Config
 
 DEFAULT_STAGE = 2
 # strategy.deepspeed.<option> -> zero_optimization.<key>, for the options that map one to one.
@@ -129,3 +129,12 @@ def deepspeed_config(cfg: Config, world_size: int, device_type: str = "cpu") -> 
     ds.setdefault("steps_per_print", 2**31 - 1)  # dtlab logs the steps itself
     return ds
 
+
+
+def zero_stage(cfg: Config) -> int:
+    """The ZeRO stage a run of `cfg` uses (strategy.deepspeed.zero_stage, else the JSON's)."""
+    o = cfg.strategy.deepspeed
+    if o.zero_stage is not None:
+        return o.zero_stage
+    zero = (read_json(o.config) if o.config else {}).get("zero_optimization") or {}
+    return int(zero.get("stage", DEFAULT_STAGE))

@@ -1,0 +1,69 @@
+"""What dtlab knows about a strategy without running it: its description.
+
+Each strategy has an implementation, `<name>.py` (torch, DTensor, DeepSpeed: imported only when a
+run builds it), and beside it a description, `<name>_spec.py`, that imports none of them, so that
+reading a config, checking it and labelling results stay fast. `registry.py` lists the
+descriptions; everything outside `dtlab/strategies/` asks the registry instead of comparing names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dtlab.config import Config
+    from dtlab.options import Section
+
+# (the run's strategy_options, parameters, bytes per parameter element communicated, bytes per
+# gradient element, ranks) -> ring bytes each rank sends per optimizer step
+CommBytes = Callable[[dict[str, Any], int, int, int, int], "float | None"]
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    name: str
+    impl: str  # "module:Class" in dtlab.strategies
+    about: str  # one line, for help texts
+    options: type[Section] | None = None  # the section strategy.<name>.*
+    # NAME:VARIANT on the command line sets this key to one of these values (what they are, for
+    # the error message: "a schedule (gpipe, 1f1b)")
+    variant: tuple[str, tuple[str, ...], str] | None = None
+    # NAME@MP or NAME@DPxMP sets this key to MP (the second mesh dimension)
+    mesh_key: str | None = None
+    one_process: bool = False  # runs without a process group (the reference)
+    extra: tuple[str, str] | None = None  # (package it needs, the pip extra that installs it)
+    # Checks at load time (no world size) and before launching (with it); both raise ConfigError.
+    validate: Callable[[Config], None] | None = None
+    check: Callable[[Config, int, int | None], None] | None = None
+    # Ranks that hold one copy of the model between them (1: every rank is a data-parallel replica)
+    model_parallel: Callable[[Config, int], int] | None = None
+    # summary.json's strategy_options -> the name results show (the `compare --strategies` spec)
+    label: Callable[[dict[str, Any]], str] | None = None
+    # The ideal ZeRO layout this strategy corresponds to (estimate's ddp/zero1/zero2/zero3)
+    layout: Callable[[Config], str] | None = None
+    textbook: str | None = None  # what `dtlab estimate --n-params` computes for this name
+    measured_memory: bool = True  # exact bytes from the real wrapper under the fake backend
+    comm_bytes: CommBytes | None = None
+    shards_state: bool = False  # parameters and gradients are split over the ranks
+
+    def model_parallel_size(self, cfg: Config, world_size: int) -> int:
+        return self.model_parallel(cfg, world_size) if self.model_parallel else 1
+
+    def ideal_layout(self, cfg: Config) -> str:
+        return self.layout(cfg) if self.layout else "ddp"
+
+    def label_of(self, options: dict[str, Any]) -> str:
+        return self.label(options) if self.label else self.name
+
+
+def ring_all_reduce(g: float, n: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of g bytes over n ranks."""
+    return 2 * (n - 1) / n * g
+
+
+def sharded_data_parallel(p: float, g: float, n: int, gathers: int) -> float:
+    """ZeRO-3/FSDP per step: `gathers` all-gathers of the parameters, a reduce-scatter of the
+    gradients, each (n - 1)/n of the full size per rank."""
+    return (n - 1) / n * (gathers * p + g)
