@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 # One description module per strategy family, in the order help texts list them.
 MODULES = ("single_spec", "ddp_spec", "fsdp_spec", "fsdp1_spec", "zero1_spec", "deepspeed_spec",
-           "tp_spec", "pp_spec")
+           "tp_spec", "pp_spec", "hsdp_spec")
 SPECS: dict[str, StrategySpec] = {
     spec.name: spec for module in MODULES
     for spec in importlib.import_module(f"dtlab.strategies.{module}").SPECS
