@@ -70,8 +70,7 @@ def build(cfg: Config, ctx: DistContext) -> tuple[Training, Any, TrainLoader, Ev
     loader = TrainLoader(train_set, dp_rank, dp_size, micro, t.grad_accum_steps, cfg.seed)
     val_loader = EvalLoader(val_set, strategy.dp_rank, strategy.dp_size,
                             cfg.data.val_batch_size or micro, pad=not cfg.lab.uneven_eval)
-    total_steps = t.max_steps or t.epochs * loader.steps_per_epoch
-    scheduler = build_scheduler(optimizer, t, total_steps)
+    scheduler = build_scheduler(optimizer, t, total_steps(cfg, loader))
     engine = strategy.step_engine(model, forward, optimizer)
     stepper = Stepper(cfg, engine, scheduler, Fault(cfg.run.fault, ctx.rank))
     training = Training(strategy, model, forward, optimizer, scheduler, engine, stepper, spec,
@@ -79,13 +78,17 @@ def build(cfg: Config, ctx: DistContext) -> tuple[Training, Any, TrainLoader, Ev
     return training, train_set, loader, val_loader
 
 
+def total_steps(cfg: Config, loader: TrainLoader) -> int:
+    return cfg.train.max_steps or cfg.train.epochs * loader.steps_per_epoch
+
+
 def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     started = time.perf_counter()
     run_dir = Path(cfg.run.dir or "runs/default")
     tr, train_set, loader, val_loader = build(cfg, ctx)
     strategy, fault = tr.strategy, tr.stepper.fault
-    run = RunState(total_steps=cfg.train.max_steps or cfg.train.epochs * loader.steps_per_epoch,
-                   steps_per_epoch=loader.steps_per_epoch, started=started,
+    run = RunState(total_steps=total_steps(cfg, loader), steps_per_epoch=loader.steps_per_epoch,
+                   started=started,
                    usage=SampleUsage(len(train_set)) if cfg.run.track_samples else None)
     torch.manual_seed(cfg.seed + ctx.rank)  # per-rank randomness (dropout) from here on
 

@@ -138,7 +138,7 @@ class TrainConfig(Section):
 # them, declared beside the strategy (dtlab/strategies/<name>_spec.py) and listed by the registry.
 StrategyConfig = create_model(
     "StrategyConfig", __base__=Section,
-    name=(Literal[registry.NAMES], "single"),  # type: ignore[valid-type]
+    name=(Literal[registry.NAMES], registry.REFERENCE),  # type: ignore[valid-type]
     sync_batchnorm=(bool, False),
     **{spec.name: (spec.options, Field(default_factory=spec.options))
        for spec in registry.SPECS.values() if spec.options is not None},
