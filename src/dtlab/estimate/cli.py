@@ -118,7 +118,7 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", default="8", help="ranks (default 8)")
     p.add_argument("--strategies", help=f"comma list (default {DEFAULT_STRATEGIES}): ddp, zero1, "
                    "zero2, zero3, hybrid:S, with +offload; with --config also dtlab's strategies "
-                   "(fsdp, fsdp1:SHARD_GRAD_OP...), estimated exactly")
+                   "(fsdp, fsdp1:SHARD_GRAD_OP, tp...): measured under torch's fake backend")
 
 
 def add_advise_arguments(p: argparse.ArgumentParser) -> None:
@@ -150,15 +150,22 @@ def build_setup(args: argparse.Namespace, world: int) -> Any:
             if getattr(args, flag) is not None:
                 raise DtlabError(f"--{flag.replace('_', '-')} with --config: the config decides; "
                                  f"fix: override it in the config, e.g. train.optimizer=adamw")
-        from dtlab.config import check_world, load_config
+        from dtlab.config import check_world, data_parallel_size, load_config
+        from dtlab.estimate.core import backend_of, precision_of
 
         model = model_from_config(args.config, args.overrides)
         cfg = model.cfg
         if cfg.strategy.name == "single" and world > 1:  # the batch splits as with any replicas
             cfg = load_config(args.config, [*args.overrides, "strategy.name=ddp"])
+        t, split = cfg.train, data_parallel_size(cfg, world) * cfg.train.grad_accum_steps
+        if t.global_batch_size % split and not args.micro_batch:  # state needs no batch
+            per_rank = cfg.strategy.pp.microbatches if cfg.strategy.name == "pp" else 1
+            model.notes.append(f"train.global_batch_size={t.global_batch_size} does not split "
+                               f"over {split} ranks x accumulation steps: activations for a "
+                               f"micro batch of {per_rank} (--micro-batch N to choose)")
+            cfg = cfg.model_copy(update={"train": t.model_copy(
+                update={"global_batch_size": split * per_rank})})
         micro = args.micro_batch or check_world(cfg, world, ranks_per_node)
-        from dtlab.estimate.core import backend_of, precision_of
-
         precision, optimizer = precision_of(cfg), optimizer_of(cfg)
         backend = args.backend or backend_of(cfg)
     else:
@@ -202,9 +209,9 @@ def display_rows(rows: list[dict[str, Any]], scale: float) -> list[dict[str, Any
     out = []
     for r in rows:
         act = r.get("activations")
-        t = r["comm"]["time_s"]
+        t = r["comm"] and r["comm"]["time_s"]
         out.append({
-            "strategy": r["strategy"] + (" (exact)" if r["exact"] else ""),
+            "strategy": r["strategy"] + MARKS.get(r["source"], ""),
             "params": f"{r['params'] / scale:.2f}", "grads": f"{r['grads'] / scale:.2f}",
             "master": f"{r['master'] / scale:.2f}", "optim": f"{r['optimizer'] / scale:.2f}",
             "state": f"{r['state'] / scale:.2f}",
@@ -212,13 +219,14 @@ def display_rows(rows: list[dict[str, Any]], scale: float) -> list[dict[str, Any
             "act": f"{act['peak'] / scale:.2f}" if act else "-",
             "total": f"{r['device_total'] / scale:.2f}",
             "host": f"{r['host'] / scale:.2f}",
-            "comm": f"{r['comm']['traffic_bytes'] / scale:.2f}",
+            "comm": "-" if r["comm"] is None else f"{r['comm']['traffic_bytes'] / scale:.2f}",
             "time": "-" if t is None else f"{t * 1e3:.1f}",
             **{k: r[k] for k in ("fits_text", "headroom_text") if k in r},
         })
     return out
 
 
+MARKS = {"measured (fake backend)": " (measured)", "modelled (DeepSpeed 0.19.8 layout)": " (exact)"}
 COLUMNS = [("strategy", "strategy"), ("params", "params"), ("grads", "grads"),
            ("master", "master"), ("optim", "optim"), ("state", "state"), ("temp", "temp"),
            ("act", "activ"), ("total", "total"), ("host", "host"), ("comm", "comm/step"),
@@ -230,6 +238,9 @@ LEGEND = ("per rank, {u}: params/grads/master/optim = training state (state = th
           "backward (activations.py); total = device memory at the peak (state not offloaded + "
           "temp + activ); host = offloaded state; comm/step = ring traffic sent per rank per step; "
           "comm ms = its predicted time, not overlapped")
+SOURCES = ("state bytes: (measured) under torch's fake process-group backend, with dtlab's own "
+           "strategy class and metrics.state_bytes; (exact) DeepSpeed's layout, modelled to the "
+           "byte; unmarked: the ideal layout, modelled")
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -249,12 +260,21 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         print(f"  ({note})")
     print(table(display_rows(rows, scale), COLUMNS))
     print(textwrap.fill(LEGEND.format(u=unit), 100))
+    if any(r["exact"] for r in rows):
+        print(textwrap.fill(SOURCES, 100))
     if setup.links:
         print(f"times from {setup.links.source}")
-    exact = [r for r in rows if r.get("per_rank") and len({str(p) for p in r["per_rank"]}) > 1]
-    for r in exact:
-        print(f"{r['strategy']} per rank (param, grad, optim bytes): " + "; ".join(
-            f"{p['param_bytes']}, {p['grad_bytes']}, {p['optim_bytes']}" for p in r["per_rank"]))
+    for r in rows:
+        held = [(p["param_bytes"], p["grad_bytes"], p["optim_bytes"]) for p in r.get("per_rank", [])]
+        if len(held) == setup.world and len(set(held)) > 1:
+            print(f"{r['strategy']} per rank (param, grad, optim bytes): "
+                  + "; ".join(", ".join(map(str, h)) for h in held))
+        elif 1 < len(held) < setup.world:  # measured: the ranks that hold the most (measured.py)
+            print(f"{r['strategy']} measured ranks of {setup.world} (param, grad, optim bytes): "
+                  + "; ".join(f"rank {p['rank']}: " + ", ".join(map(str, h))
+                              for p, h in zip(r["per_rank"], held, strict=True)))
+        for note in r.get("notes", []):
+            print(f"  ({note})")
     return 0
 
 

@@ -1,10 +1,10 @@
 """One estimate: a model, a world, a precision and optimizer, a strategy -> the numbers per rank.
 
-A model comes from a dtlab config (built on the meta device: exact parameter shapes, and for
-dtlab's own strategies the exact sharded layouts of layout.py) or from a parameter count, with a
-GPT shape for activations and sharding units: given (--n-layer, --hidden) or by the rule
-hidden = 128 x n_layer, n_layer = floor((P / (12 x 128^2))^(1/3)) (P ~ 12 n_layer hidden^2, the
-shapes of LLaMA-7B, 32 x 4096, and GPT-3 175B, 96 x 12288).
+A model comes from a dtlab config (built on the meta device: exact parameter shapes; the state of
+dtlab's strategies is then measured under the fake backend, measured.py, or for DeepSpeed
+modelled, deepspeed_layout.py) or from a parameter count, with a GPT shape for activations and
+sharding units: given (--n-layer, --hidden) or by the rule hidden = 128 x n_layer, n_layer =
+floor((P / (12 x 128^2))^(1/3)) (P ~ 12 n_layer hidden^2: LLaMA-7B 32 x 4096, GPT-3 96 x 12288).
 """
 
 from __future__ import annotations
@@ -15,8 +15,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dtlab.config import Config
-from dtlab.estimate import activations, comm, layout, memory
+from dtlab.estimate import activations, comm, memory
+from dtlab.estimate.measured import NotMeasured, RankBytes, measure, measured_strategies, meta_model
 from dtlab.estimate.memory import OPTIMIZER_BYTES, PRECISIONS, Plan, Precision
+
+MEASURED = "measured (fake backend)"  # the sources of a row's state bytes
+DEEPSPEED = "modelled (DeepSpeed 0.19.8 layout)"
+IDEAL = "modelled (ideal layout)"
 
 
 @dataclass
@@ -66,15 +71,17 @@ def model_from_config(path: str | None, overrides: list[str]) -> Model:
     from dtlab.config import load_config
 
     cfg = load_config(path, overrides)
-    meta = layout.meta_model(cfg)
-    units = [float(sum(t.numel for t in u)) for u in layout.fsdp2_units(meta, root=False)]
-    n = float(sum(t.numel for t in layout.as_tensors(layout.unique_params(meta))))
+    model, taken, units = meta_model(cfg), set(), []
+    for block in model.blocks():  # FSDP's units: each block's parameters no earlier one took
+        units.append(float(sum(p.numel() for p in block.parameters() if id(p) not in taken)))
+        taken |= {id(p) for p in block.parameters()}
+    n = float(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
 
     def segments(micro: int, mode: str) -> list[activations.Segment]:
         return activations.config_segments(cfg, micro, mode)
 
-    return Model(f"{cfg.model.name} ({int(n):,} parameters)", n, units, n - sum(units), segments,
-                 cfg, (path, list(overrides)))
+    return Model(f"{cfg.model.name} ({int(n):,} parameters)", n, [u for u in units if u],
+                 n - sum(units), segments, cfg, (path, list(overrides)))
 
 
 def backend_of(cfg: Config) -> str:
@@ -101,11 +108,43 @@ def precision_of(cfg: Config) -> Precision:
     if cfg.strategy.name == "deepspeed":  # 16-bit working weights, fp32 master (ZeRO paper's)
         return PRECISIONS[p]
     prec = PRECISIONS[f"{p}-autocast"]
+    options = {"fsdp": cfg.strategy.fsdp, "fsdp1": cfg.strategy.fsdp1}.get(cfg.strategy.name)
+    return replace(prec, reduce=2) if options is not None and not options.reduce_fp32 else prec
+
+
+def plan_of(cfg: Config, label: str, ranks_per_node: int) -> Plan | None:
+    """The ideal layout (memory.KINDS) a dtlab strategy corresponds to, for its temporaries and
+    communication; None for tensor and pipeline parallelism, which no layout here describes."""
     s = cfg.strategy
-    options = {"fsdp": s.fsdp, "fsdp1": s.fsdp1}.get(s.name)
-    if options is not None and not options.reduce_fp32:
-        prec = replace(prec, reduce=2)
-    return prec
+    kind = {"single": "ddp", "ddp": "ddp", "zero1": "zero1",
+            "fsdp": "zero3" if s.fsdp.reshard_after_forward else "zero2"}.get(s.name)
+    offload, group = s.name == "fsdp" and s.fsdp.cpu_offload, None
+    if s.name == "fsdp1":
+        o = s.fsdp1
+        kind = {"SHARD_GRAD_OP": "zero2", "NO_SHARD": "ddp"}.get(o.sharding_strategy, "zero3")
+        offload = o.cpu_offload
+        if o.sharding_strategy == "HYBRID_SHARD":
+            group = o.shard_group_size or ranks_per_node
+    if s.name == "deepspeed":
+        from dtlab.estimate.deepspeed_layout import zero_stage
+
+        kind = f"zero{zero_stage(cfg)}"
+    return Plan(kind, offload, group, label) if kind else None
+
+
+def exact_state(cfg: Config, world: int, ranks_per_node: int,
+                device: str = "cpu") -> list[RankBytes]:
+    """Per-rank param/grad/optim bytes of `cfg`'s strategy on `world` ranks: measured under the
+    fake backend (measured.py: every rank up to 16, else the ranks holding the most), or for
+    DeepSpeed modelled for every rank (deepspeed_layout.py)."""
+    if cfg.strategy.name == "deepspeed":
+        from dtlab.estimate.deepspeed_layout import deepspeed_state
+
+        numels = [p.numel() for p in {id(p): p for p in meta_model(cfg).parameters()}.values()]
+        return deepspeed_state(numels, cfg, world, device)
+    if cfg.strategy.name not in measured_strategies():
+        raise NotMeasured(f"strategy '{cfg.strategy.name}' is not measured here")
+    return measure(cfg, world, ranks_per_node, device)
 
 
 @dataclass
@@ -129,89 +168,104 @@ def activation_mode(precision: Precision, wrapper_casts: bool) -> str:
     return "half" if precision.master or wrapper_casts else "autocast"
 
 
+def strategy_config(setup: Setup, token: str) -> Config | None:
+    """The config of a dtlab strategy spec (fsdp1:SHARD_GRAD_OP...) on the setup's model; None
+    for the ideal layouts (zero2, hybrid:4...) or a model given by its parameter count."""
+    from dtlab.compare import parse_spec
+    from dtlab.config import load_config
+    from dtlab.errors import ConfigError
+
+    if setup.model.cfg is None:
+        return None
+    try:
+        spec_overrides = parse_spec(token)
+    except ConfigError:
+        return None
+    path, overrides = setup.model.source
+    return load_config(path, [*overrides, *spec_overrides])
+
+
 def estimate(setup: Setup, token: str) -> dict[str, Any]:
     """One row: the bytes per rank of `token`'s strategy (see memory.parse_plan, or a dtlab
     strategy spec like fsdp1:SHARD_GRAD_OP when the model comes from a config)."""
+    import torch
+
     m, world = setup.model, setup.world
-    exact = exact_strategy(setup, token)
-    if exact is not None:
-        plan, cfg, per_rank, reshard, wrapper_casts = exact
+    cfg = strategy_config(setup, token)
+    per_rank, source, notes = None, IDEAL, []
+    if cfg is not None:
+        plan = plan_of(cfg, token, setup.ranks_per_node)
+        device = "cuda" if setup.backend == "nccl" and torch.cuda.is_available() else "cpu"
+        try:
+            per_rank = exact_state(cfg, world, setup.ranks_per_node, device)
+            source = DEEPSPEED if cfg.strategy.name == "deepspeed" else MEASURED
+        except NotMeasured as e:
+            if plan is None:
+                raise
+            notes.append(f"{token}: not measured ({e}); the ideal {plan.kind} layout instead")
         precision = precision_of(cfg)
-        held = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    if per_rank is None:
+        plan = plan if cfg is not None else memory.parse_plan(token, world, setup.ranks_per_node)
+        precision = precision_of(cfg) if cfg is not None else setup.precision
+        state = memory.state_per_rank(m.n_params, plan, precision, setup.optimizer, world)
+        held: dict[str, int] = {}
+    else:
+        held = {k: max(r[k] for r in per_rank) for k in per_rank[0] if k != "rank"}
         master = held.get("master_bytes", 0)  # DeepSpeed: inside optim_bytes, shown apart
         state = memory.State(held["param_bytes"], held["grad_bytes"], master,
                              held["optim_bytes"] - master, 0.0)
         if "host_bytes" in held:  # DeepSpeed: what its offload puts in host memory
             state = replace(state, offloaded=held["host_bytes"])
-        elif plan.offload:
+            plan = replace(plan, offload=plan.offload or held["host_bytes"] > 0)
+        elif plan is not None and plan.offload:
             state = replace(state, offloaded=state.total)  # FSDP offloads all of its shards
-        torch_zero1 = cfg.strategy.name == "zero1"
-    else:
-        plan = memory.parse_plan(token, world, setup.ranks_per_node)
-        precision, per_rank, reshard, torch_zero1 = setup.precision, None, True, False
-        wrapper_casts = plan.kind == "zero3"
-        state = memory.state_per_rank(m.n_params, plan, precision, setup.optimizer, world)
-    deepspeed = exact is not None and exact[1].strategy.name == "deepspeed"
-    temps = memory.temporaries(m.n_params, max(m.units, default=0.0), m.root, plan, precision, world,
-                               gathers_all=exact is not None and plan.kind == "zero2"
-                               and not deepspeed)
-    host_buffers = 0.0
-    if deepspeed:  # its buckets and staging buffers, allocated whatever the model size
-        temps["buffers"] = held["buffer_bytes"] - held["host_buffer_bytes"]
-        temps["backward_buckets"] = held["backward_buffer_bytes"]
-        host_buffers = held["host_buffer_bytes"]
     row: dict[str, Any] = {
-        "strategy": token, "layout": plan.kind + ("+offload" if plan.offload else ""),
-        "shards": plan.shards(world), "exact": exact is not None,
+        "strategy": token, "layout": plan.kind + ("+offload" if plan.offload else "")
+        if plan else cfg.strategy.name, "shards": plan.shards(world) if plan else None,
+        "exact": per_rank is not None, "source": source,
         "params": state.params, "grads": state.grads, "master": state.master,
-        "optimizer": state.optimizer, "state": state.total,
-        "host": state.offloaded + host_buffers,
-        "temporaries": temps,
+        "optimizer": state.optimizer, "state": state.total, "host": state.offloaded,
     }
     if per_rank is not None:
         row["per_rank"] = per_rank
+    if plan is None:  # tp, fsdp_tp, pp: the state is measured, the rest not modelled
+        notes.append(f"{token}: temporaries, activations and communication of tensor and "
+                     "pipeline parallelism are not modelled (shown as 0 and -)")
+        row.update(temporaries={}, device_total=state.device, comm=None, notes=notes)
+        return row
+    row["temporaries"] = temporaries(setup, plan, precision, cfg, held)
+    row["host"] += held.get("host_buffer_bytes", 0)
     act = None
     if m.segments is not None:
-        mode = activation_mode(precision, wrapper_casts)
+        from dtlab.strategies import strategy_class
+
+        casts = plan.kind == "zero3" if cfg is None else strategy_class(cfg.strategy.name).wrapper_casts
+        mode = activation_mode(precision, casts)
         act = activations.walk(m.segments(setup.micro, mode), setup.checkpointing)
         row["activations"] = {"saved": act.saved, "peak": act.peak, "mode": mode}
-    row["device_total"] = state.device + sum(temps.values()) + (act.peak if act else 0.0)
-    root_reshards = not (exact is not None and exact[1].strategy.name == "fsdp1")
-    calls = comm.collectives(plan, m.units, precision, world, setup.ranks_per_node, reshard,
-                             torch_zero1, setup.backend, m.root, root_reshards)
+    row["device_total"] = state.device + sum(row["temporaries"].values()) + (act.peak if act else 0.0)
+    name = cfg.strategy.name if cfg is not None else None
+    calls = comm.collectives(plan, m.units, precision, world, setup.ranks_per_node,
+                             name is None or plan.kind != "zero2", name == "zero1", setup.backend,
+                             m.root, name != "fsdp1")
     row["comm"] = comm.summarize(calls, setup.links)
     row["comm"]["host_device_bytes"] = comm.offload_bytes(plan, m.n_params, precision, world)
+    if notes:
+        row["notes"] = notes
     return row
 
 
-def exact_strategy(setup: Setup, token: str) -> tuple[Plan, Config, list, bool, bool] | None:
-    """For a config's model and a dtlab strategy spec: its plan, config, exact per-rank bytes,
-    whether it re-gathers for backward, and whether the wrapper casts (no autocast)."""
-    if setup.model.cfg is None:
-        return None
-    from dtlab.compare import parse_spec
-    from dtlab.config import load_config
-    from dtlab.errors import ConfigError
-    from dtlab.strategies import strategy_class
-
-    try:
-        spec_overrides = parse_spec(token)
-    except ConfigError:
-        return None  # not a dtlab strategy: the ideal layouts apply
-    path, overrides = setup.model.source
-    cfg = load_config(path, [*overrides, *spec_overrides])
-    s = cfg.strategy
-    kind = layout.layout_kind(cfg)
-    group = None
-    if s.name == "fsdp1" and s.fsdp1.sharding_strategy == "HYBRID_SHARD":
-        group = s.fsdp1.shard_group_size or setup.ranks_per_node
-    offload = (s.name == "fsdp" and s.fsdp.cpu_offload) or (s.name == "fsdp1" and s.fsdp1.cpu_offload)
-    reshard = kind != "zero2"
-    device = "cuda" if setup.backend == "nccl" else "cpu"
-    per_rank = layout.exact_state(cfg, setup.world, setup.ranks_per_node, device)
-    offload = offload or any(r.get("host_bytes") for r in per_rank)  # DeepSpeed's offload
-    plan = Plan(kind, offload, group, token)
-    return plan, cfg, per_rank, reshard, strategy_class(s.name).wrapper_casts
+def temporaries(setup: Setup, plan: Plan, precision: Precision, cfg: Config | None,
+                held: dict[str, int]) -> dict[str, float]:
+    """memory.temporaries, with DeepSpeed's own buckets and staging buffers where modelled."""
+    m, deepspeed = setup.model, cfg is not None and cfg.strategy.name == "deepspeed"
+    temps = memory.temporaries(m.n_params, max(m.units, default=0.0), m.root, plan, precision,
+                               setup.world, gathers_all=cfg is not None and plan.kind == "zero2"
+                               and not deepspeed)
+    if deepspeed and held:  # allocated whatever the model size
+        temps["buffers"] = held["buffer_bytes"] - held["host_buffer_bytes"]
+        temps["backward_buckets"] = held["backward_buffer_bytes"]
+    return temps
 
 
 def describe(setup: Setup) -> str:
