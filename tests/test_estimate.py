@@ -22,8 +22,7 @@ from dtlab.errors import DtlabError
 from dtlab.estimate import activations, comm, deepspeed_layout, memory
 from dtlab.estimate.advise import advise
 from dtlab.estimate.core import Setup, estimate, exact_state, model_from_config, model_from_size
-from dtlab.estimate.measure import batch, saved_bytes
-from dtlab.estimate.measured import fake_group, measure, meta_model
+from dtlab.estimate.measure import batch, fake_group, measure, meta_model, saved_bytes
 from dtlab.models import build_model, count_params
 
 GB = 1e9

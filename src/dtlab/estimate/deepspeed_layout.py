@@ -1,38 +1,27 @@
-"""Exact per-rank bytes of DeepSpeed ZeRO 1, 2 and 3 (deepspeed 0.19.8), without DeepSpeed.
+"""DeepSpeed ZeRO 1, 2 and 3 per rank, modelled: the estimate's one place that knows the internals
+of deepspeed 0.19.8 (runtime/zero/stage_1_and_2.py, stage3.py, parameter_offload.py; the names
+below are theirs). Modelled rather than measured under the fake backend like torch's wrappers
+(measure.py), because the estimate must answer without the optional package, and because what
+it reports for a GPU run (the host/device split of offload, the buckets each backward allocates)
+is not what a host-only engine shows. tests/test_estimate.py checks every number against real
+engines, to the byte. n = data-parallel ranks, e = bytes per element of the working dtype; master
+weights and optimizer state are fp32 whatever the precision.
 
-What `strategies/deepspeed_memory.py` measures on a real engine (summary.json memory_per_rank: the
-largest value of each kind just before and after the first optimizer steps), derived from how
-`runtime/zero/stage_1_and_2.py`, `stage3.py` and `parameter_offload.py` lay the state out. n =
-data-parallel ranks, e = bytes per element of the working parameters (fp32 4, bf16/fp16 2); the
-master weights and optimizer state are always fp32.
-
-Stages 1 and 2 (`DeepSpeedZeroOptimizer`):
-- parameters: all of them, flattened into one buffer of N elements padded to a multiple of 2n
-  (`nccl_start_alignment_factor` x n); the module's parameters are views into it.
-- master weights: rank r's contiguous 1/n of that buffer, in fp32 (even in fp32 training), and
-  the optimizer state of that one flat tensor (AdamW: 2 x 4 bytes per element + its 4-byte step).
-- gradients: after the reduction each rank keeps the gradients of every tensor that has an
-  element in its slice, at the tensors' whole size (a tensor straddling two slices is held by
-  both), plus zeros for the part of its slice that lies in the padding. Between accumulation
-  micro batches stage 1 holds every gradient whole, and its reduce bucket.
-- offload_optimizer: the gradients go straight into an fp32 `.grad` of the master slice; DeepSpeed
-  allocates a copy of the slice in the working dtype and two staging buffers as large as the
-  largest tensor (one in host memory, one on the device).
-
-Stage 3 (`DeepSpeedZeroOptimizer_Stage3`):
-- parameters: each tensor is split into n parts of ceil(numel / n) elements (padded); rank r holds
-  part r of every tensor (one flat buffer). Tensors with at most
-  `stage3_param_persistence_threshold` elements (default 100,000) are *persistent*: after the
-  first forward they stay gathered, at their padded size n x ceil(numel / n), beside their part.
-- gradients: one flat buffer of this rank's parts (+ an fp32 `.grad` of the master parts under
-  offload_optimizer). master + optimizer state: fp32 of the parts, per sub group of
-  `sub_group_size` elements (one AdamW step tensor each).
-- buffers: the reduce bucket, `reduce_bucket_size` elements allocated at init when
-  `contiguous_gradients` (the default), whatever the model size.
-
-Buffers below are the allocations that persist between steps; DeepSpeed's few scalars (norms,
-flags; under 1 KiB) are not counted. Knobs that change the layout and are not modelled (ZeRO++,
-round-robin gradients, parameter alignment, NVMe offload, ...) raise DtlabError.
+Stages 1 and 2 (DeepSpeedZeroOptimizer): every parameter is a view into one flat buffer padded to
+a multiple of 2n (nccl_start_alignment_factor x n); rank r owns its r-th slice: fp32 master and
+optimizer state of that one flat tensor. After the reduction it keeps the gradient of every tensor
+with an element in its slice, whole (get_partition_info / get_flat_partition: a tensor across a
+boundary is held by both ranks), plus zeros for its share of the padding; between accumulation
+micro batches stage 1 holds every gradient whole. offload_optimizer: gradients go into an fp32
+`.grad` of the master slice, beside a working-dtype copy of the slice and two staging buffers as
+large as the largest tensor (one host, one device). The reduce buckets (setup_buckets: two with
+overlap_comm) live only during backward.
+Stage 3 (DeepSpeedZeroOptimizer_Stage3): rank r holds part r (ceil(numel / n) elements) of every
+tensor; tensors of at most stage3_param_persistence_threshold elements stay gathered beside their
+part after the first forward (mark_persistent_parameters); gradients in grad_partitions_flat_buffer;
+fp32 master and optimizer state per sub group of sub_group_size elements (_create_fp16_sub_groups);
+the reduce bucket is allocated at init (contiguous_gradients). DeepSpeed's scalars (norms, flags,
+under 1 KiB) are not counted; knobs that change the layout and are not modelled raise DtlabError.
 """
 
 from __future__ import annotations
@@ -46,16 +35,12 @@ from dtlab.config import Config
 from dtlab.errors import DtlabError
 
 RankBytes = dict[str, int]
-ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
 MASTER = 4  # fp32 master weights and gradients of the optimizer
-
-# zero_optimization keys that change what is allocated and are not modelled here: (key, the
-# value DeepSpeed 0.19.8 defaults to, which is the only one accepted).
-# (cpu_offload and cpu_offload_params: deprecated spellings of the offload sections.)
-UNMODELLED = (("round_robin_gradients", False), ("parameter_alignment", False),
-              ("zero_hpz_partition_size", 1), ("zero_quantized_weights", False),
-              ("zero_quantized_gradients", False), ("cpu_offload", False),
-              ("cpu_offload_params", False))
+# zero_optimization keys that change the layout, with the only value modelled (0.19.8's default;
+# cpu_offload and cpu_offload_params are deprecated spellings of the offload sections)
+UNMODELLED = {"round_robin_gradients": False, "parameter_alignment": False,
+              "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
+              "zero_quantized_gradients": False, "cpu_offload": False, "cpu_offload_params": False}
 
 
 @dataclass(frozen=True)
@@ -73,30 +58,13 @@ class ZeroOptions:
     sub_group_size: int = 1_000_000_000
 
 
-def _get(zero: dict[str, Any], key: str, alias: str | None, default: Any) -> Any:
-    for name in (key, alias):
-        if name and zero.get(name) is not None:
-            return zero[name]
-    return default
-
-
-def _offloaded(zero: dict[str, Any], key: str) -> bool:
-    device = (zero.get(key) or {}).get("device", "none")
-    if device == "nvme":
-        raise DtlabError(f"zero_optimization.{key}.device=nvme: no exact layout for NVMe offload; "
-                         "fix: estimate with device cpu or none")
-    return device not in (None, "none")
-
-
 def zero_stage(cfg: Config) -> int:
     """The ZeRO stage a run of `cfg` uses (strategy.deepspeed.zero_stage, else the JSON's)."""
     from dtlab.config.deepspeed import DEFAULT_STAGE, read_json
 
     o = cfg.strategy.deepspeed
-    if o.zero_stage is not None:
-        return o.zero_stage
     zero = (read_json(o.config) if o.config else {}).get("zero_optimization") or {}
-    return int(zero.get("stage", DEFAULT_STAGE))
+    return o.zero_stage if o.zero_stage is not None else int(zero.get("stage", DEFAULT_STAGE))
 
 
 def zero_options(cfg: Config, world: int, device: str = "cpu") -> ZeroOptions:
@@ -105,31 +73,36 @@ def zero_options(cfg: Config, world: int, device: str = "cpu") -> ZeroOptions:
 
     ds = deepspeed_config(cfg, world, device)
     zero = ds["zero_optimization"]
-    for key, default in UNMODELLED:
+    for key, default in UNMODELLED.items():
         if zero.get(key) not in (None, default):
             raise DtlabError(f"zero_optimization.{key}={json.dumps(zero[key])}: no exact layout "
                              f"for it; fix: remove it from the DeepSpeed JSON to estimate (only "
                              f"{json.dumps(default)} is modelled)")
-    if (ds.get("data_types") or {}).get("grad_accum_dtype") not in (None, cfg.train.precision):
-        raise DtlabError("data_types.grad_accum_dtype other than the working dtype has no exact "
-                         "layout; fix: remove it from the DeepSpeed JSON to estimate")
-    if ds.get("communication_data_type") not in (None, cfg.train.precision):
-        raise DtlabError("communication_data_type has no exact layout; fix: remove it from the "
-                         "DeepSpeed JSON to estimate")
-    stage = zero["stage"]
+    for key, value in (("data_types.grad_accum_dtype", (ds.get("data_types") or {}).get(
+            "grad_accum_dtype")), ("communication_data_type", ds.get("communication_data_type"))):
+        if value not in (None, cfg.train.precision):
+            raise DtlabError(f"{key} other than the working dtype has no exact layout; fix: "
+                             "remove it from the DeepSpeed JSON to estimate")
+    offloaded = {}
+    for key in ("offload_optimizer", "offload_param"):
+        offloaded[key] = (zero.get(key) or {}).get("device", "none") not in (None, "none")
+        if (zero.get(key) or {}).get("device") == "nvme":
+            raise DtlabError(f"zero_optimization.{key}.device=nvme: no exact layout for NVMe "
+                             "offload; fix: estimate with device cpu or none")
+
+    def get(default: Any, *names: str) -> Any:  # the first name set, else the default
+        return next((zero[n] for n in names if zero.get(n) is not None), default)
+
     return ZeroOptions(
-        stage=stage,
-        offload_optimizer=_offloaded(zero, "offload_optimizer"),
-        offload_param=_offloaded(zero, "offload_param"),
-        reduce_bucket_size=int(_get(zero, "reduce_bucket_size", None, 500_000_000)),
-        contiguous_gradients=bool(_get(zero, "contiguous_gradients", None, True)),
-        overlap_comm=bool(_get(zero, "overlap_comm", None, stage == 3)),
-        persistence_threshold=int(_get(zero, "param_persistence_threshold",
-                                       "stage3_param_persistence_threshold", 100_000)),
-        model_persistence_threshold=int(_get(zero, "model_persistence_threshold",
-                                             "stage3_model_persistence_threshold", 2**63 - 1)),
-        sub_group_size=int(_get(zero, "sub_group_size", None, 1_000_000_000)),
-    )
+        zero["stage"], **offloaded,
+        reduce_bucket_size=int(get(500_000_000, "reduce_bucket_size")),
+        contiguous_gradients=bool(get(True, "contiguous_gradients")),
+        overlap_comm=bool(get(zero["stage"] == 3, "overlap_comm")),
+        persistence_threshold=int(get(100_000, "param_persistence_threshold",
+                                      "stage3_param_persistence_threshold")),
+        model_persistence_threshold=int(get(2**63 - 1, "model_persistence_threshold",
+                                            "stage3_model_persistence_threshold")),
+        sub_group_size=int(get(1_000_000_000, "sub_group_size")))
 
 
 def optimizer_state(numel: int, optimizer: str, momentum: float, flats: int = 1) -> int:
@@ -141,9 +114,8 @@ def optimizer_state(numel: int, optimizer: str, momentum: float, flats: int = 1)
 
 # --------------------------------------------------------------------------------- stages 1, 2
 def slice_grad_elements(numels: list[int], part: int, rank: int) -> tuple[int, int]:
-    """(elements of the whole tensors touching rank's slice of the flat buffer, zero padding).
-    DeepSpeed's get_partition_info and get_flat_partition: a tensor belongs to the slice it
-    starts in, and also to the slice it runs into."""
+    """(elements of the whole tensors touching rank's slice of the flat buffer, zero padding):
+    a tensor belongs to the slice it starts in, and also to the slice it runs into."""
     lo, hi = rank * part, (rank + 1) * part
     whole = covered = offset = 0
     for n in numels:
@@ -151,19 +123,16 @@ def slice_grad_elements(numels: list[int], part: int, rank: int) -> tuple[int, i
             whole += n
             covered += min(offset + n, hi) - max(offset, lo)
         offset += n
-    if not whole:
-        return 0, part  # a slice entirely in the padding: one zero tensor
-    return whole, part - covered
+    return (whole, part - covered) if whole else (0, part)  # all padding: one zero tensor
 
 
 def stage12(numels: list[int], o: ZeroOptions, world: int, elem: int, optimizer: str,
             momentum: float, accum_steps: int) -> list[RankBytes]:
-    total = sum(numels)
-    align = 2 * world
-    flat = math.ceil(total / align) * align
+    total, largest = sum(numels), max(numels, default=0)
+    flat = math.ceil(total / (2 * world)) * 2 * world
     part = flat // world
-    largest = max(numels, default=0)
     bucket = o.reduce_bucket_size * elem * (2 if o.overlap_comm else 1) if o.contiguous_gradients else 0
+    accumulating = accum_steps > 1
     out = []
     for rank in range(world):
         whole, pad = slice_grad_elements(numels, part, rank)
@@ -174,34 +143,30 @@ def stage12(numels: list[int], o: ZeroOptions, world: int, elem: int, optimizer:
             host_buffers = part * elem + largest * elem  # the slice in the working dtype, staging
             buffers = host_buffers + largest * elem  # + the device-side staging buffer
             host = master + state + grads
-            if accum_steps > 1 and o.stage == 2:  # per-tensor accumulators in host memory
-                grads += whole * elem
-                host += whole * elem
-        if accum_steps > 1 and o.stage == 1:  # every gradient whole until the boundary reduces
-            grads = max(grads, total * elem) if not o.offload_optimizer else grads + total * elem
+            if accumulating and o.stage == 2:  # per-tensor accumulators in host memory
+                grads, host = grads + whole * elem, host + whole * elem
+        if accumulating and o.stage == 1:  # every gradient whole until the boundary reduces
+            grads = grads + total * elem if o.offload_optimizer else max(grads, total * elem)
             buffers += bucket
         out.append({"param_bytes": flat * elem, "grad_bytes": grads,
                     "optim_bytes": master + state, "master_bytes": master,
-                    "buffer_bytes": buffers, "host_bytes": host,
-                    "host_buffer_bytes": host_buffers,
-                    "backward_buffer_bytes": 0 if accum_steps > 1 and o.stage == 1 else bucket})
+                    "buffer_bytes": buffers, "host_bytes": host, "host_buffer_bytes": host_buffers,
+                    "backward_buffer_bytes": 0 if accumulating and o.stage == 1 else bucket})
     return out
 
 
 # ------------------------------------------------------------------------------------ stage 3
 def persistent(numels: list[int], o: ZeroOptions) -> list[bool]:
-    """parameter_offload.mark_persistent_parameters: small tensors, in the module's order, until
-    the model-wide budget is spent."""
+    """Small tensors, in the module's order, until the model-wide budget is spent."""
     out, kept = [], 0
     for n in numels:
-        keep = n + kept <= o.model_persistence_threshold and n <= o.persistence_threshold
-        kept += n if keep else 0
-        out.append(keep)
+        out.append(n + kept <= o.model_persistence_threshold and n <= o.persistence_threshold)
+        kept += n if out[-1] else 0
     return out
 
 
 def sub_groups(parts: list[int], size: int) -> int:
-    """stage3._create_fp16_sub_groups: consecutive tensors until `size` partition elements."""
+    """Consecutive tensors until `size` partition elements make a group."""
     if size >= sum(parts):
         return 1
     groups, run = 0, 0
@@ -219,32 +184,28 @@ def stage3(numels: list[int], o: ZeroOptions, world: int, elem: int, optimizer: 
     gathered = sum(p * world for p, keep in zip(parts, persistent(numels, o), strict=True) if keep)
     master = MASTER * local
     state = optimizer_state(local, optimizer, momentum, sub_groups(parts, o.sub_group_size))
-    grads = local * elem  # grad_partitions_flat_buffer
-    host = 0
+    grads, host = local * elem, 0  # grad_partitions_flat_buffer
     if o.offload_optimizer:
         host += master + state + grads + MASTER * local
         grads += MASTER * local  # the fp32 master parts' .grad
     if o.offload_param:
         host += local * elem  # the parts; persistent tensors stay gathered on the device
-    bucket = o.reduce_bucket_size * elem if o.contiguous_gradients else 0
-    rank = {"param_bytes": local * elem + gathered * elem, "grad_bytes": grads,
-            "optim_bytes": master + state, "master_bytes": master, "buffer_bytes": bucket,
+    rank = {"param_bytes": (local + gathered) * elem, "grad_bytes": grads,
+            "optim_bytes": master + state, "master_bytes": master,
+            "buffer_bytes": o.reduce_bucket_size * elem if o.contiguous_gradients else 0,
             "host_bytes": host, "host_buffer_bytes": 0, "backward_buffer_bytes": 0}
-    return [dict(rank) for _ in range(world)]  # every rank holds a part of every tensor
+    return [{**rank, "rank": r} for r in range(world)]  # every rank holds a part of every tensor
 
 
 def deepspeed_state(numels: list[int], cfg: Config, world: int,
                     device: str = "cpu") -> list[RankBytes]:
     """Per-rank bytes of a `strategy.name=deepspeed` run of `cfg` whose parameters (in the
-    optimizer's order) have `numels` elements: param/grad/optim/buffer_bytes as summary.json
-    counts them (optim_bytes includes master_bytes, the fp32 master weights). host_bytes and
-    host_buffer_bytes: the parts of the state and of the buffers that live in host memory when
-    a GPU run offloads (on a CPU run every byte is host memory). backward_buffer_bytes: the
-    reduce buckets stages 1 and 2 allocate at the start of each backward pass and free at its
-    end (`setup_buckets`: two with overlap_comm), not in buffer_bytes."""
-    o = zero_options(cfg, world, device)
-    t = cfg.train
-    elem = ELEM[t.precision]
+    optimizer's order) have `numels` elements, as summary.json counts them (optim_bytes includes
+    master_bytes, the fp32 master weights); host_bytes and host_buffer_bytes: what a GPU run's
+    offload keeps in host memory; backward_buffer_bytes: the reduce buckets of each backward."""
+    o, t = zero_options(cfg, world, device), cfg.train
+    elem = {"fp32": 4, "bf16": 2, "fp16": 2}[t.precision]
     if o.stage == 3:
         return stage3(numels, o, world, elem, t.optimizer, t.momentum)
-    return stage12(numels, o, world, elem, t.optimizer, t.momentum, t.grad_accum_steps)
+    out = stage12(numels, o, world, elem, t.optimizer, t.momentum, t.grad_accum_steps)
+    return [{**r, "rank": i} for i, r in enumerate(out)]
