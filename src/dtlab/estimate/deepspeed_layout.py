@@ -1,27 +1,18 @@
 """DeepSpeed ZeRO 1, 2 and 3 per rank, modelled: the estimate's one place that knows the internals
 of deepspeed 0.19.8 (runtime/zero/stage_1_and_2.py, stage3.py, parameter_offload.py; the names
-below are theirs). Modelled rather than measured under the fake backend like torch's wrappers
-(measure.py), because the estimate must answer without the optional package, and because what
-it reports for a GPU run (the host/device split of offload, the buckets each backward allocates)
-is not what a host-only engine shows. tests/test_estimate.py checks every number against real
-engines, to the byte. n = data-parallel ranks, e = bytes per element of the working dtype; master
-weights and optimizer state are fp32 whatever the precision.
-
-Stages 1 and 2 (DeepSpeedZeroOptimizer): every parameter is a view into one flat buffer padded to
-a multiple of 2n (nccl_start_alignment_factor x n); rank r owns its r-th slice: fp32 master and
-optimizer state of that one flat tensor. After the reduction it keeps the gradient of every tensor
-with an element in its slice, whole (get_partition_info / get_flat_partition: a tensor across a
-boundary is held by both ranks), plus zeros for its share of the padding; between accumulation
-micro batches stage 1 holds every gradient whole. offload_optimizer: gradients go into an fp32
-`.grad` of the master slice, beside a working-dtype copy of the slice and two staging buffers as
-large as the largest tensor (one host, one device). The reduce buckets (setup_buckets: two with
-overlap_comm) live only during backward.
-Stage 3 (DeepSpeedZeroOptimizer_Stage3): rank r holds part r (ceil(numel / n) elements) of every
-tensor; tensors of at most stage3_param_persistence_threshold elements stay gathered beside their
-part after the first forward (mark_persistent_parameters); gradients in grad_partitions_flat_buffer;
-fp32 master and optimizer state per sub group of sub_group_size elements (_create_fp16_sub_groups);
-the reduce bucket is allocated at init (contiguous_gradients). DeepSpeed's scalars (norms, flags,
-under 1 KiB) are not counted; knobs that change the layout and are not modelled raise DtlabError.
+below are theirs). Not measured under the fake backend as torch's wrappers are (measure.py): the
+estimate must answer without the optional package, and what it reports for a GPU run (offload's
+host/device split, the buckets each backward allocates) is not what a host-only engine shows.
+tests/test_estimate.py checks every number against real engines, to the byte; docs/memory.md
+explains them. Stages 1 and 2 (DeepSpeedZeroOptimizer): one flat buffer padded to 2n
+(nccl_start_alignment_factor x n), rank r's slice of it in fp32 master and optimizer state, the
+whole gradient of every tensor touching the slice (get_partition_info, get_flat_partition), and
+under offload an fp32 `.grad` of the slice, a working-dtype copy and two staging buffers; reduce
+buckets only during backward (setup_buckets). Stage 3 (DeepSpeedZeroOptimizer_Stage3): part r of
+every tensor, small tensors kept gathered (mark_persistent_parameters), gradients in
+grad_partitions_flat_buffer, state per sub group (_create_fp16_sub_groups), the reduce bucket
+allocated at init. Scalars (norms, flags: under 1 KiB) are not counted; knobs that change the
+layout and are not modelled raise DtlabError.
 """
 
 from __future__ import annotations

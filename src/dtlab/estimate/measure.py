@@ -68,6 +68,11 @@ def fake_group(rank: int, world: int) -> Iterator[None]:
                          "dtlab estimate in a process of its own")
     hook = sys.excepthook  # init_process_group wraps it, for good: 1,024 groups, 1,024 wraps
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    # Tiny ops: one thread (two spin against each other on a busy machine, 30x slower here);
+    # uninitialised memory holds denormals (200x slower to multiply): flushed to zero meanwhile
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
     try:
         with warnings.catch_warnings():  # FSDP1's deprecation, DTensor's notes: once per rank
             warnings.simplefilter("ignore")
@@ -75,6 +80,8 @@ def fake_group(rank: int, world: int) -> Iterator[None]:
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
+        torch.set_flush_denormal(False)  # torch's default; nothing in dtlab sets it
+        torch.set_num_threads(threads)
         if "torch.distributed.tensor" in sys.modules:  # DTensor caches sharding decisions by
             from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # mesh layout:
 
