@@ -84,8 +84,7 @@ def fake_group(rank: int, world: int) -> Iterator[None]:
         torch.set_num_threads(threads)
         if "torch.distributed.tensor" in sys.modules:  # DTensor caches sharding decisions by
             from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # mesh layout:
-
-            _clear_sharding_prop_cache()  # the next rank's equal mesh would get dead groups
+            _clear_sharding_prop_cache()  # the next rank's equal-looking mesh would get dead groups
 
 
 def measure_rank(cfg: Config, rank: int, world: int, ranks_per_node: int,
@@ -108,10 +107,8 @@ def measure_rank(cfg: Config, rank: int, world: int, ranks_per_node: int,
         optimizer = strategy.build_optimizer(model)
         if hasattr(strategy, "stage_ids"):
             stages_forward_backward(strategy, device)
-        else:
-            micro = cfg.train.global_batch_size // (data_parallel_size(cfg, world)
-                                                     * cfg.train.grad_accum_steps)
-            x, y = batch(cfg.model.name, spec_for(cfg), micro, device)
+        else:  # one sample: state bytes do not depend on the batch
+            x, y = batch(cfg.model.name, spec_for(cfg), 1, device)
             strategy.forward_backward(model, x, y, lambda loss: (loss, loss))
         strategy.optimizer_step(optimizer)
         return {**strategy.state_bytes(model, optimizer), "rank": rank}, shares(model, optimizer)
