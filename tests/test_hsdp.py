@@ -2,7 +2,7 @@
 
 `single` against hsdp on a 2x2 mesh (4 ranks): per-step losses and final parameters within 1e-5,
 with gradient accumulation (no gradient sync until the last micro batch); each rank holds half of
-the parameters; results label it `hsdp@2x2`; its traffic formula reduces to FSDP's and DDP's at the
+the parameters, and `dtlab estimate` gives the same bytes per rank; results label it `hsdp@2x2`; its traffic formula reduces to FSDP's and DDP's at the
 two ends of the mesh; bad meshes are refused before anything runs.
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import cli, max_rel_dev, step_losses
 
+from dtlab.cli import main
 from dtlab.compare import param_deviation, parse_spec, spec_ranks
 from dtlab.config import check_world, load_config
 from dtlab.errors import ConfigError
@@ -53,6 +54,18 @@ def test_each_rank_holds_its_shard_group_part(runs: Path) -> None:
     # a shard group of 2 splits every parameter on dim 0 (padded to even rows): half, plus padding
     assert len(per_rank) == 4 and len(set(per_rank)) == 1
     assert full / 2 <= per_rank[0] <= full / 2 * 1.02
+
+
+def test_estimate_measures_the_same_bytes_per_rank(runs: Path, capsys: pytest.CaptureFixture) -> None:
+    """`dtlab estimate` wraps the real model with the real hsdp strategy under the fake backend:
+    its per-rank bytes equal what the 4-rank run measured, to the byte."""
+    measured = json.loads((runs / "hsdp-2x2" / "summary.json").read_text())["memory_per_rank"]
+    assert main(["estimate", "--world-size", "4", "--strategies", "hsdp@2x2", "--json",
+                 f"train.max_steps={STEPS}", "train.grad_accum_steps=2"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert row["source"] == "measured (fake backend)"
+    for kind in ("param_bytes", "grad_bytes", "optim_bytes"):
+        assert [r[kind] for r in row["per_rank"]] == measured[kind], kind
 
 
 def test_results_label_it_by_its_mesh(runs: Path) -> None:

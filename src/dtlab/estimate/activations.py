@@ -1,35 +1,17 @@
 """Activation memory of dtlab's models: what autograd saves for backward, and the peak during it.
 
-Each model is a list of segments (its blocks, and what comes before and after them); each
-segment a list of ops in forward order. Per op:
-
-    saved     bytes of the tensors it keeps for backward that no earlier op keeps (a tensor kept
-              by several ops is counted at the first, and freed after that op's backward)
-    casts     the part of `saved` that is autocast's 16-bit copies of weights
-    grad_out  the gradient of its output, alive during its backward
-    grad_in   the gradient it computes for its input (0 where nothing needs one)
-    extra     other tensors alive during its backward: the gradient carried by a residual path,
-              and the new gradient of its weight before it is added into `.grad`
-
-saved activations = the sum of `saved` (the peak at the end of forward). The peak during backward
-walks the ops in reverse: live = what is still saved + grad_out + grad_in + extra; an op's saved
-tensors are freed after its backward. With activation checkpointing (per block, non-reentrant), a
-block keeps only its input; its backward recomputes it, so its saved tensors exist again while it
-runs. autocast caches its weight copies until the autocast region ends, after the loss: with
-checkpointing, the copies made in every block's forward are still alive at the end of forward.
-
-What is counted was read off autograd's saved tensors of each model (tests/test_estimate.py
-compares the two exactly). Three precisions: `fp32`; `autocast` (fp32 weights, 16-bit compute:
-matmul and convolution outputs are 16-bit, layer norms and the residual stream fp32, and autocast
-saves a 16-bit copy of every weight it casts and of every input it casts, once per consumer);
-`half` (the model itself in 16-bit, as with fp32 master weights in the optimizer). Not counted:
-dropout masks (dtlab's models have dropout 0 by default), the data batch itself, allocator
-overhead.
+A model is a list of segments (blocks, and what comes before and after), each a list of ops in
+forward order, with the bytes each saves for backward (freed after its backward), the gradients
+alive during its backward, and autocast's cached 16-bit weight copies. The peak walks the ops in
+reverse; checkpointing (per block, non-reentrant) keeps a block's input and recomputes the rest.
+Read off autograd's saved tensors (tests/test_estimate.py compares them exactly) in fp32,
+`autocast` and `half` (the model itself 16-bit). Not counted: dropout masks (dropout is 0 by
+default), the batch, allocator overhead. The details: docs/memory.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dtlab.errors import DtlabError
 
@@ -37,11 +19,11 @@ from dtlab.errors import DtlabError
 @dataclass(frozen=True)
 class Op:
     name: str
-    saved: float
-    grad_out: float
-    grad_in: float
-    extra: float = 0.0
-    casts: float = 0.0
+    saved: float  # bytes it keeps for backward that no earlier op keeps
+    grad_out: float  # the gradient of its output, alive during its backward
+    grad_in: float  # the gradient it computes for its input (0 where none is needed)
+    extra: float = 0.0  # also alive then: a residual path's gradient, a weight's new gradient
+    casts: float = 0.0  # the part of `saved` that is autocast's 16-bit copies of weights
 
 
 @dataclass
@@ -60,7 +42,6 @@ class Segment:
 class Activations:
     saved: float  # bytes kept for backward at the end of forward
     peak: float  # the most alive at once during backward (saved + gradients in flight)
-    by_segment: dict[str, float] = field(default_factory=dict)
 
 
 def walk(segments: list[Segment], checkpoint: bool) -> Activations:
@@ -69,17 +50,12 @@ def walk(segments: list[Segment], checkpoint: bool) -> Activations:
     cached = sum(op.casts for s in segments if checkpoint and s.block for op in s.ops)
     peak = live + cached  # the end of forward
     for seg in reversed(segments):
-        if checkpoint and seg.block:
-            live -= seg.input_bytes  # recomputing saves the input again, with everything else
-            inner = seg.saved
-            for op in reversed(seg.ops):
-                peak = max(peak, live + inner + op.grad_out + op.grad_in + op.extra)
-                inner -= op.saved
-        else:
-            for op in reversed(seg.ops):
-                peak = max(peak, live + op.grad_out + op.grad_in + op.extra)
-                live -= op.saved
-    return Activations(sum(kept.values()), peak, kept)
+        if checkpoint and seg.block:  # recomputing saves everything again, the input included
+            live += seg.saved - seg.input_bytes
+        for op in reversed(seg.ops):
+            peak = max(peak, live + op.grad_out + op.grad_in + op.extra)
+            live -= op.saved
+    return Activations(sum(kept.values()), peak)
 
 
 def elem_sizes(mode: str) -> tuple[int, int]:
@@ -221,13 +197,6 @@ def resnet_segments(widths: list[int], layout: tuple[int, ...], in_channels: int
 
 
 # ------------------------------------------------------------------------------ from a config
-def mode_for(precision: str) -> str:
-    """Activation precision mode of a memory.PRECISIONS name."""
-    if precision == "fp32":
-        return "fp32"
-    return "autocast" if precision.endswith("autocast") else "half"
-
-
 def config_segments(cfg: object, micro: int, mode: str) -> list[Segment]:
     """Segments of a dtlab config's model (dtlab.config.Config) at `micro` samples per rank."""
     from dtlab.data import spec_for

@@ -1,14 +1,10 @@
 """`dtlab advise`: the cheapest data-parallel layout whose per-GPU memory fits, and its headroom.
 
-Candidates, cheapest first: ddp; zero1 and zero2 (the same communication volume as ddp, less
-memory); zero3 / FSDP (1.5x ddp's volume); zero3 with activation checkpointing (about a third
-more compute: every block's forward runs twice); zero3 with its shards offloaded to host memory
-(optimizer steps on the CPU, host<->device copies every step). The first that fits is the advice.
-
-If none fits: when zero3's state alone (parameters, gradients, optimizer) exceeds the memory,
-only offloading or more GPUs help (tensor and pipeline parallelism divide the same state over the
-same GPUs); otherwise activations are the problem, and tensor (or pipeline) parallelism of degree
-t divides them (and the gathered units) by about t, with sequence parallelism.
+Candidates, cheapest communication first (CANDIDATES); the first that fits is the advice. If none
+does: when zero3's state alone exceeds the memory, only offload or more GPUs help (tensor and
+pipeline parallelism divide the same state over the same GPUs); else the activations are the
+problem, and tensor (or pipeline) parallelism of degree t divides them, and the gathered units, by
+about t.
 """
 
 from __future__ import annotations
@@ -18,17 +14,20 @@ from collections.abc import Callable
 from typing import Any
 
 from dtlab.estimate.core import Setup, estimate
+from dtlab.estimate.memory import Kind
 
+DDP, ZERO3_OFFLOAD = Kind.REPLICATED.value, f"{Kind.ZERO3}+offload"
 CANDIDATES = [  # (strategy, activation checkpointing)
-    ("ddp", False), ("zero1", False), ("zero2", False), ("zero3", False), ("zero3", True),
-    ("zero3+offload", False), ("zero3+offload", True),
+    *((k.value, False) for k in Kind), (Kind.ZERO3.value, True),
+    (ZERO3_OFFLOAD, False), (ZERO3_OFFLOAD, True),
 ]
 WHY = {
-    "ddp": "a full replica per GPU: the least communication (an all-reduce of the gradients)",
-    "zero1": "optimizer state sharded: the same communication volume as ddp",
-    "zero2": "gradients and optimizer state sharded: the same communication volume as ddp",
-    "zero3": "everything sharded: 1.5x ddp's communication (parameters gathered twice per step)",
-    "zero3+offload": "sharded state in host memory: the optimizer steps on the CPU, and the "
+    Kind.REPLICATED: "a full replica per GPU: the least communication (an all-reduce of the "
+                     "gradients)",
+    Kind.ZERO1: "optimizer state sharded: the same communication volume as ddp",
+    Kind.ZERO2: "gradients and optimizer state sharded: the same communication volume as ddp",
+    Kind.ZERO3: "everything sharded: 1.5x ddp's communication (parameters gathered twice per step)",
+    ZERO3_OFFLOAD: "sharded state in host memory: the optimizer steps on the CPU, and the "
                      "shards cross PCIe every step",
 }
 
@@ -39,30 +38,22 @@ def advise(make_setup: Callable[[bool], Setup], gpu_bytes: float, reserve: float
     rows = []
     for token, ckpt in CANDIDATES:
         setup = make_setup(ckpt)
-        if setup.world == 1 and token != "ddp":
+        if setup.world == 1 and token != DDP:
             continue
         row = estimate(setup, token)
-        row["checkpointing"] = ckpt
         need = row["device_total"] + reserve
-        row["fits"] = need <= gpu_bytes
-        row["headroom"] = gpu_bytes - need
+        row.update(checkpointing=ckpt, fits=need <= gpu_bytes, headroom=gpu_bytes - need)
         if host_bytes is not None and row["host"]:
             row["host_per_node"] = row["host"] * setup.ranks_per_node
             row["host_fits"] = row["host_per_node"] <= host_bytes
             row["fits"] = row["fits"] and row["host_fits"]
         rows.append(row)
     chosen = next((r for r in rows if r["fits"]), None)
-    out: dict[str, Any] = {"candidates": rows, "gpu_bytes": gpu_bytes, "reserve": reserve}
-    setup = make_setup(False)
-    if chosen is not None:
-        out["recommendation"] = {
-            "strategy": chosen["strategy"], "checkpointing": chosen["checkpointing"],
-            "per_gpu_bytes": chosen["device_total"], "headroom_bytes": chosen["headroom"],
-            "why": WHY[chosen["strategy"]],
-        }
-    else:
-        out["recommendation"] = beyond_data_parallel(rows, gpu_bytes - reserve, setup)
-    return out
+    advice = beyond_data_parallel(rows, gpu_bytes - reserve, make_setup(False)) if chosen is None \
+        else {"strategy": chosen["strategy"], "checkpointing": chosen["checkpointing"],
+              "per_gpu_bytes": chosen["device_total"], "headroom_bytes": chosen["headroom"],
+              "why": WHY[chosen["strategy"]]}
+    return {"candidates": rows, "gpu_bytes": gpu_bytes, "reserve": reserve, "recommendation": advice}
 
 
 def beyond_data_parallel(rows: list[dict[str, Any]], budget: float, setup: Setup) -> dict[str, Any]:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from dtlab.errors import DtlabError
+from dtlab.strategies import registry
 
 GB = 1e9
-
 DEFAULT_STRATEGIES = "ddp,zero1,zero2,zero3,zero3+offload"
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-autocast", "fp16-autocast")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
@@ -29,86 +30,68 @@ def count(text: str) -> float:
     try:
         value = float(t[:-1] if scale != 1.0 else t) * scale
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a count such as 7e9, 7B or 125M") from None
+        raise ValueError(f"'{text}' is not a count such as 7e9, 7B or 125M") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"'{text}' must be at least 1")
+        raise ValueError(f"'{text}' must be at least 1")
     return value
 
 
-def positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"'{text}' is not a {kind.__name__}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"'{text}' must be positive")
-        return value
-    return parse
-
-
-# Options and how to read them. argparse keeps them as text; `validate` converts them, so that a
+# Options argparse keeps as text: `validate` converts them (numbers must be positive), so that a
 # bad value ends in dtlab's one-line error like every other bad input.
-TYPES: dict[str, Any] = {
-    "n_params": count, "n_layer": positive(int), "hidden": positive(int), "n_head": positive(int),
-    "seq_len": positive(int), "vocab": positive(int), "micro_batch": positive(int),
-    "ranks_per_node": positive(int), "bandwidth": positive(float),
-    "inter_node_bandwidth": positive(float), "world_size": positive(int), "gpus": positive(int),
-    "gpu_memory": positive(float), "host_memory": positive(float),
-}
+TYPES: dict[str, Any] = {"n_params": count, **dict.fromkeys((
+    "bandwidth", "inter_node_bandwidth", "gpu_memory", "host_memory"), float), **dict.fromkeys((
+        "n_layer", "hidden", "n_head", "seq_len", "vocab", "micro_batch", "ranks_per_node",
+        "world_size", "gpus"), int)}
+EXAMPLES = {"n_params": "7e9", "bandwidth": "100", "gpu_memory": "80", "inter_node_bandwidth": "25"}
 CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "backend": ("nccl", "gloo")}
 
 
 def validate(args: argparse.Namespace) -> None:
-    for name, convert in TYPES.items():
-        text = getattr(args, name, None)
+    for name, kind in TYPES.items():
+        text, flag = getattr(args, name, None), "--" + name.replace("_", "-")
+        fix = f"; fix: e.g. {flag} {EXAMPLES.get(name, '8')}"
         if isinstance(text, str):
             try:
-                setattr(args, name, convert(text))
-            except argparse.ArgumentTypeError as e:
-                flag = "--" + name.replace("_", "-")
-                raise DtlabError(f"{flag}: {e}; fix: e.g. {flag} {EXAMPLES.get(name, '8')}") from None
+                setattr(args, name, kind(text))
+            except ValueError as e:
+                why = e if kind is count else f"'{text}' is not a {kind.__name__}"
+                raise DtlabError(f"{flag}: {why}{fix}") from None
+            if getattr(args, name) <= 0:
+                raise DtlabError(f"{flag}: '{text}' must be positive{fix}")
     for name, allowed in CHOICES.items():
-        value = getattr(args, name, None)
-        if value is not None and value not in allowed:
-            raise DtlabError(f"--{name} '{value}' is not one of {', '.join(allowed)}")
-    if hasattr(args, "reserve"):
-        try:
-            args.reserve = float(args.reserve)
-        except ValueError:
-            raise DtlabError(f"--reserve '{args.reserve}' is not a number of GB") from None
-
-
-EXAMPLES = {"n_params": "7e9", "bandwidth": "100", "gpu_memory": "80", "inter_node_bandwidth": "25"}
+        if getattr(args, name, None) not in (None, *allowed):
+            raise DtlabError(f"--{name} '{getattr(args, name)}' is not one of {', '.join(allowed)}")
+    try:
+        args.reserve = float(getattr(args, "reserve", 0))
+    except ValueError:
+        raise DtlabError(f"--reserve '{args.reserve}' is not a number of GB") from None
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (a dtlab config, or a parameter count)")
-    g.add_argument("--config", help="dtlab YAML config: its model, optimizer, precision, batch")
-    g.add_argument("--n-params", help="parameter count, e.g. 7e9 or 7B")
-    g.add_argument("--n-layer", help="layers (--n-params; default: by rule)")
-    g.add_argument("--hidden", help="hidden size (--n-params)")
-    g.add_argument("--n-head", help="attention heads (default hidden/128)")
-    g.add_argument("--seq-len",
-                   help="sequence length (--n-params; activations are estimated when given)")
+    for flag, text in (
+        ("--config", "dtlab YAML config: its model, optimizer, precision, batch"),
+        ("--n-params", "parameter count, e.g. 7e9 or 7B"),
+        ("--n-layer", "layers (--n-params; default: by rule)"), ("--hidden", "hidden size (--n-params)"),
+        ("--n-head", "attention heads (default hidden/128)"),
+        ("--seq-len", "sequence length (--n-params; activations are estimated when given)"),
+        ("--optimizer", f"{', '.join(OPTIMIZERS)} (default adamw; --config: its own)"),
+        ("--precision", "fp32; bf16/fp16: 16-bit weights and gradients with fp32 master weights; "
+                        "*-autocast: fp32 state, 16-bit compute (default fp32; --config: its own)"),
+        ("--micro-batch", "samples per rank per micro step (default 1; --config: its own)"),
+        ("--ranks-per-node", "default min(8, world size)")):
+        g.add_argument(flag, help=text)
     g.add_argument("--vocab", default="32000", help="vocabulary (default 32000)")
-    g.add_argument("--optimizer", help=f"{', '.join(OPTIMIZERS)} (default adamw; --config: its own)")
-    g.add_argument("--precision",
-                   help="fp32; bf16/fp16: 16-bit weights and gradients with fp32 master weights; "
-                        "*-autocast: fp32 state, 16-bit compute (default fp32; --config: its own)")
-    g.add_argument("--micro-batch",
-                   help="samples per rank per micro step (default 1; --config: its own)")
     g.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing of every block (the totals use it)")
-    g.add_argument("--ranks-per-node", help="default min(8, world size)")
     c = p.add_argument_group("communication time (optional)")
-    c.add_argument("--bandwidth", metavar="GB/s",
-                   help="per-link bandwidth inside a node (everywhere, without the next option)")
-    c.add_argument("--inter-node-bandwidth", metavar="GB/s")
-    c.add_argument("--comm-results", metavar="FILE",
-                   help="a dtlab comm --json/--csv file: times from its alpha-beta fit")
-    c.add_argument("--backend", help="nccl or gloo (gloo's reduce-scatter is an all-reduce); "
-                   "default nccl, --config: what its run would use")
+    for flag, metavar, text in (
+        ("--bandwidth", "GB/s", "per-link bandwidth inside a node (everywhere, without the next option)"),
+        ("--inter-node-bandwidth", "GB/s", None),
+        ("--comm-results", "FILE", "a dtlab comm --json/--csv file: times from its alpha-beta fit"),
+        ("--backend", None, "nccl or gloo (gloo's reduce-scatter is an all-reduce); default nccl, "
+                            "--config: what its run would use")):
+        c.add_argument(flag, metavar=metavar, help=text)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("overrides", nargs="*", help="with --config: dotted overrides")
 
@@ -118,7 +101,7 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", default="8", help="ranks (default 8)")
     p.add_argument("--strategies", help=f"comma list (default {DEFAULT_STRATEGIES}): ddp, zero1, "
                    "zero2, zero3, hybrid:S, with +offload; with --config also dtlab's strategies "
-                   "(fsdp, fsdp1:SHARD_GRAD_OP...), estimated exactly")
+                   "(fsdp, fsdp1:SHARD_GRAD_OP, tp...): measured under torch's fake backend")
 
 
 def add_advise_arguments(p: argparse.ArgumentParser) -> None:
@@ -133,9 +116,8 @@ def add_advise_arguments(p: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------------------ building a setup
 def build_setup(args: argparse.Namespace, world: int) -> Any:
+    from dtlab.estimate import core
     from dtlab.estimate.comm import Links, load_comm_results
-    from dtlab.estimate.core import Setup, model_from_config, model_from_size, optimizer_of
-    from dtlab.estimate.memory import PRECISIONS as TABLE
 
     if args.config and args.n_params:
         raise DtlabError("--config and --n-params both give a model; fix: give one of them")
@@ -144,125 +126,133 @@ def build_setup(args: argparse.Namespace, world: int) -> Any:
                          "the built-in config, e.g. model.name=gpt)")
     if args.comm_results and args.bandwidth:
         raise DtlabError("--comm-results and --bandwidth both set a link speed; fix: give one")
-    ranks_per_node = args.ranks_per_node or min(8, world)
+    ranks_per_node, inter = args.ranks_per_node or min(8, world), args.inter_node_bandwidth
     if args.n_params is None:  # a config (or the built-in quick config with overrides)
         for flag in ("optimizer", "precision", "n_layer", "hidden", "n_head", "seq_len"):
             if getattr(args, flag) is not None:
                 raise DtlabError(f"--{flag.replace('_', '-')} with --config: the config decides; "
                                  f"fix: override it in the config, e.g. train.optimizer=adamw")
-        from dtlab.config import check_world, load_config
+        model = core.model_from_config(args.config, args.overrides)
+        micro, cfg = config_batch(args, model, world, ranks_per_node)
+        precision, optimizer = core.precision_of(cfg), core.optimizer_of(cfg)
+        from dtlab.config.world import backend_type
 
-        model = model_from_config(args.config, args.overrides)
-        cfg = model.cfg
-        if cfg.strategy.name == "single" and world > 1:  # the batch splits as with any replicas
-            cfg = load_config(args.config, [*args.overrides, "strategy.name=ddp"])
-        micro = args.micro_batch or check_world(cfg, world, ranks_per_node)
-        from dtlab.estimate.core import backend_of, precision_of
-
-        precision, optimizer = precision_of(cfg), optimizer_of(cfg)
-        backend = args.backend or backend_of(cfg)
+        backend = args.backend or backend_type(cfg)
     else:
         if args.overrides:
             raise DtlabError(f"overrides {args.overrides} need --config; fix: remove them")
-        model = model_from_size(args.n_params, args.n_layer, args.hidden, args.n_head,
-                                args.seq_len, args.vocab)
-        micro = args.micro_batch or 1
-        precision, optimizer = TABLE[args.precision or "fp32"], args.optimizer or "adamw"
-        backend = args.backend or "nccl"
-    links = None
-    if args.comm_results:
-        links = load_comm_results(Path(args.comm_results))
-    elif args.bandwidth:
-        inter = args.inter_node_bandwidth
+        model = core.model_from_size(args.n_params, args.n_layer, args.hidden, args.n_head,
+                                     args.seq_len, args.vocab)
+        micro, precision = args.micro_batch or 1, core.PRECISIONS[args.precision or "fp32"]
+        optimizer, backend = args.optimizer or "adamw", args.backend or "nccl"
+    links = load_comm_results(Path(args.comm_results)) if args.comm_results else None
+    if args.bandwidth:
         links = Links(args.bandwidth * GB, inter * GB if inter else None,
-                      source=f"{args.bandwidth:g} GB/s per link" +
-                             (f", {inter:g} GB/s between nodes" if inter else ""))
-    return Setup(model, world, ranks_per_node, precision, optimizer, micro, args.checkpointing,
-                 links, backend)
+                      source=f"{args.bandwidth:g} GB/s per link"
+                      + (f", {inter:g} GB/s between nodes" if inter else ""))
+    return core.Setup(model, world, ranks_per_node, precision, optimizer, micro,
+                      args.checkpointing, links, backend)
+
+
+def config_batch(args: argparse.Namespace, model: Any, world: int, ranks_per_node: int) -> Any:
+    """(micro batch, config) of a config's run on `world` ranks. A global batch that does not
+    split over them leaves the state estimate standing (it needs no batch): one sample, noted."""
+    from dtlab.config import check_world, data_parallel_size, load_config
+
+    cfg = model.cfg
+    if registry.of(cfg).one_process and world > 1:  # the batch splits as with any replicas
+        cfg = load_config(args.config, [*args.overrides, f"strategy.name={registry.BASELINE}"])
+    t, split = cfg.train, data_parallel_size(cfg, world) * cfg.train.grad_accum_steps
+    if t.global_batch_size % split and not args.micro_batch:
+        per_rank = getattr(getattr(cfg.strategy, cfg.strategy.name, None), "microbatches", 1)
+        model.notes.append(f"train.global_batch_size={t.global_batch_size} does not split over "
+                           f"{split} ranks x accumulation steps: activations for a micro batch of "
+                           f"{per_rank} (--micro-batch N to choose)")
+        cfg = cfg.model_copy(update={"train": t.model_copy(
+            update={"global_batch_size": split * per_rank})})
+    return args.micro_batch or check_world(cfg, world, ranks_per_node), cfg
 
 
 # ------------------------------------------------------------------------------------- output
-def unit_for(values: list[float]) -> tuple[str, float]:
-    top = max([abs(v) for v in values] + [0.0])
-    return ("GB", 1e9) if top >= 1e9 else ("MB", 1e6)
-
-
 def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
-    cells = [[str(r.get(key, "")) for key, _ in columns] for r in rows]
-    heads = [h for _, h in columns]
-    width = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
-    lines = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(heads, width, strict=True)))]
-    for c in cells:
-        lines.append("  ".join(v.rjust(w) if i else v.ljust(w)
-                               for i, (v, w) in enumerate(zip(c, width, strict=True))))
-    return "\n".join(lines)
+    cells = [[h for _, h in columns]] + [[str(r.get(key, "")) for key, _ in columns] for r in rows]
+    width = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(v.rjust(w) if i else v.ljust(w)
+                               for i, (v, w) in enumerate(zip(c, width, strict=True))) for c in cells)
+
+
+MARKS = {"measured (fake backend)": " (measured)", "modelled (DeepSpeed 0.19.8 layout)": " (exact)"}
 
 
 def display_rows(rows: list[dict[str, Any]], scale: float) -> list[dict[str, Any]]:
-    out = []
-    for r in rows:
-        act = r.get("activations")
-        t = r["comm"]["time_s"]
-        out.append({
-            "strategy": r["strategy"] + (" (exact)" if r["exact"] else ""),
-            "params": f"{r['params'] / scale:.2f}", "grads": f"{r['grads'] / scale:.2f}",
-            "master": f"{r['master'] / scale:.2f}", "optim": f"{r['optimizer'] / scale:.2f}",
-            "state": f"{r['state'] / scale:.2f}",
-            "temp": f"{sum(r['temporaries'].values()) / scale:.2f}",
-            "act": f"{act['peak'] / scale:.2f}" if act else "-",
-            "total": f"{r['device_total'] / scale:.2f}",
-            "host": f"{r['host'] / scale:.2f}",
-            "comm": f"{r['comm']['traffic_bytes'] / scale:.2f}",
-            "time": "-" if t is None else f"{t * 1e3:.1f}",
-            **{k: r[k] for k in ("fits_text", "headroom_text") if k in r},
-        })
-    return out
+    def mb(value: float | None) -> str:
+        return "-" if value is None else f"{value / scale:.2f}"
+
+    return [{"strategy": r["strategy"] + MARKS.get(r["source"], ""), "params": mb(r["params"]),
+             "grads": mb(r["grads"]), "master": mb(r["master"]), "optim": mb(r["optimizer"]),
+             "state": mb(r["state"]), "temp": mb(sum(r["temporaries"].values())),
+             "act": mb(r.get("activations", {}).get("peak")), "total": mb(r["device_total"]),
+             "host": mb(r["host"]), "comm": mb(r["comm"] and r["comm"]["traffic_bytes"]),
+             "time": "-" if not r["comm"] or r["comm"]["time_s"] is None
+             else f"{r['comm']['time_s'] * 1e3:.1f}",
+             **{k: r[k] for k in ("fits_text", "headroom_text") if k in r}} for r in rows]
 
 
 COLUMNS = [("strategy", "strategy"), ("params", "params"), ("grads", "grads"),
            ("master", "master"), ("optim", "optim"), ("state", "state"), ("temp", "temp"),
            ("act", "activ"), ("total", "total"), ("host", "host"), ("comm", "comm/step"),
            ("time", "comm ms")]
-
 LEGEND = ("per rank, {u}: params/grads/master/optim = training state (state = their sum); temp = "
           "all-gathered units and unsharded gradients during a step (deepspeed: + its reduce buckets "
           "and offload staging buffers, exact); activ = activation peak in "
           "backward (activations.py); total = device memory at the peak (state not offloaded + "
           "temp + activ); host = offloaded state; comm/step = ring traffic sent per rank per step; "
           "comm ms = its predicted time, not overlapped")
+SOURCES = ("state bytes: (measured) under torch's fake process-group backend, with dtlab's own "
+           "strategy class and metrics.state_bytes; (exact) DeepSpeed's layout, modelled to the "
+           "byte; unmarked: the ideal layout, modelled")
+
+
+def header(command: str, setup: Any, extra: str = "") -> None:
+    from dtlab.estimate.core import describe
+
+    print(f"dtlab {command}: {describe(setup)}{extra}")
+    print("".join(f"  ({note})\n" for note in setup.model.notes), end="")
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from dtlab.estimate.core import describe, estimate
+    from dtlab.estimate.core import estimate
 
     validate(args)
     setup = build_setup(args, args.world_size)
-    default = DEFAULT_STRATEGIES if setup.world > 1 else "ddp"
-    tokens = [t.strip() for t in (args.strategies or default).split(",") if t.strip()]
-    rows = [estimate(setup, t) for t in tokens]
+    default = DEFAULT_STRATEGIES if setup.world > 1 else registry.BASELINE
+    rows = [estimate(setup, t.strip()) for t in (args.strategies or default).split(",") if t.strip()]
     if args.json:
         print(json.dumps({"setup": setup_dict(setup), "rows": rows}, indent=1))
         return 0
-    unit, scale = unit_for([r["device_total"] for r in rows] + [r["state"] for r in rows])
-    print(f"dtlab estimate: {describe(setup)}")
-    for note in setup.model.notes:
-        print(f"  ({note})")
+    top = max([abs(v) for r in rows for v in (r["device_total"], r["state"])] + [0.0])
+    unit, scale = ("GB", 1e9) if top >= 1e9 else ("MB", 1e6)
+    header("estimate", setup)
     print(table(display_rows(rows, scale), COLUMNS))
     print(textwrap.fill(LEGEND.format(u=unit), 100))
+    if any(r["exact"] for r in rows):
+        print(textwrap.fill(SOURCES, 100))
     if setup.links:
         print(f"times from {setup.links.source}")
-    exact = [r for r in rows if r.get("per_rank") and len({str(p) for p in r["per_rank"]}) > 1]
-    for r in exact:
-        print(f"{r['strategy']} per rank (param, grad, optim bytes): " + "; ".join(
-            f"{p['param_bytes']}, {p['grad_bytes']}, {p['optim_bytes']}" for p in r["per_rank"]))
+    for r in rows:  # per rank: every rank's bytes where they differ, or the ranks measured
+        ranks = r.get("per_rank", [])
+        held = [f"{p['param_bytes']}, {p['grad_bytes']}, {p['optim_bytes']}" for p in ranks]
+        full = len(held) == setup.world
+        if len(set(held)) > 1 if full else len(held) > 1:
+            print(f"{r['strategy']} {'per rank' if full else f'measured ranks of {setup.world}'} "
+                  "(param, grad, optim bytes): " + "; ".join(
+                      h if full else f"rank {p['rank']}: {h}" for p, h in zip(ranks, held, strict=True)))
+        print("".join(f"  ({note})\n" for note in r.get("notes", [])), end="")
     return 0
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     from dtlab.estimate.advise import advise
-    from dtlab.estimate.core import describe
 
     validate(args)
     if args.gpus is None or args.gpu_memory is None:
@@ -275,26 +265,19 @@ def cmd_advise(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"setup": setup_dict(base), **result}, indent=1))
         return 0
-    unit, scale = "GB", GB
-    print(f"dtlab advise: {describe(base)}; {args.gpu_memory:g} GB per GPU"
-          + (f", {args.reserve:g} GB reserved" if args.reserve else ""))
-    for note in base.model.notes:
-        print(f"  ({note})")
+    header("advise", base, f"; {args.gpu_memory:g} GB per GPU"
+           + (f", {args.reserve:g} GB reserved" if args.reserve else ""))
     rows = result["candidates"]
     for r in rows:
         r["fits_text"] = "yes" if r["fits"] else "no (host)" if r.get("host_fits") is False else "no"
-        r["headroom_text"] = f"{r['headroom'] / scale:+.2f}"
-        if r["checkpointing"]:
-            r["strategy"] += " +ckpt"
-    cols = [COLUMNS[0], ("state", "state"), ("temp", "temp"), ("act", "activ"),
-            ("total", "total"), ("host", "host"), ("fits_text", "fits"),
-            ("headroom_text", "headroom"), ("comm", "comm/step"), ("time", "comm ms")]
-    print(table(display_rows(rows, scale), cols))
-    print(f"per GPU, {unit}; headroom = memory - total" + (" - reserve" if args.reserve else "")
+        r["headroom_text"] = f"{r['headroom'] / GB:+.2f}"
+        r["strategy"] += " +ckpt" if r["checkpointing"] else ""
+    print(table(display_rows(rows, GB), [COLUMNS[0], *COLUMNS[5:10], ("fits_text", "fits"),
+                                         ("headroom_text", "headroom"), *COLUMNS[10:]]))
+    print("per GPU, GB; headroom = memory - total" + (" - reserve" if args.reserve else "")
           + ("; no (host): the offloaded state of a node's GPUs exceeds --host-memory"
              if any(r.get("host_fits") is False for r in rows) else ""))
-    rec = result["recommendation"]
-    print(recommendation_text(rec, gpu, scale))
+    print(recommendation_text(result["recommendation"], gpu, GB))
     return 0
 
 

@@ -1,24 +1,13 @@
 """Communication per step of each data-parallel layout: the collectives, their volume and time.
 
-Each rank's ring traffic for a collective of S bytes on n ranks (dtlab/comm/model.py): all-reduce
-2(n-1)/n S, all-gather and reduce-scatter (n-1)/n S. Per step, with P the parameters and G the
-gradients in the bytes they are communicated in:
-
-    ddp      all-reduce of G, in buckets                        2(n-1)/n G
-    zero1/2  reduce-scatter of G, all-gather of the updated P   (n-1)/n (G + P)  (= ddp when P = G)
-    zero3    per unit: all-gather P before forward and again     (n-1)/n (2P + G)
-             before backward, reduce-scatter G after backward
-    hybrid   zero3 inside each shard group of s ranks, then an all-reduce of the gradient shard
-             (G/s) across the n/s groups
-    FSDP without resharding after forward (SHARD_GRAD_OP): one all-gather fewer, (n-1)/n (P + G)
-
-torch's ZeroRedundancyOptimizer (dtlab's zero1) keeps DDP's all-reduce and then broadcasts each
-rank's updated parameters: 2(n-1)/n G + P. Offload adds host-device copies of the shards (the
-gradient shard down, the updated parameter shard up), listed apart: they use PCIe, not the network.
-
-Time: each collective from a bandwidth (traffic / bandwidth, no latency), or from the alpha-beta
-fit of a `dtlab comm --json/--csv` result (dtlab.comm.model.predict, ring form), which includes
-the per-call latency. Communication that overlaps compute costs less than this in the step time.
+Ring traffic per rank of a collective of S bytes on n ranks (dtlab/comm/model.py): all-reduce
+2(n-1)/n S, all-gather and reduce-scatter (n-1)/n S. Per step (P, G: parameters and gradients in
+the bytes they travel in): ddp 2(n-1)/n G; zero1/2 (n-1)/n (G + P); zero3 per unit (n-1)/n (2P
++ G), one all-gather fewer without resharding after forward; hybrid zero3 inside groups of s and
+an all-reduce of G/s across them; torch's ZeroRedundancyOptimizer DDP's all-reduce + P of
+broadcasts. Offload's host-device copies are listed apart (PCIe, not the network). Times: traffic
+/ bandwidth, or the alpha-beta fit of a `dtlab comm` result (with per-call latency); overlap with
+compute is not modelled. Why, and the measurements: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -26,13 +15,13 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dtlab.comm.model import fit, predict, ring_terms
 from dtlab.errors import DtlabError
-from dtlab.estimate.memory import Plan, Precision
+from dtlab.estimate.memory import Kind, Plan, Precision
 
 DDP_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb default
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first (smallest) bucket
@@ -55,11 +44,8 @@ class Collective:
 def buckets(total: float, first: float = DDP_FIRST_BUCKET_BYTES,
             cap: float = DDP_BUCKET_BYTES) -> list[float]:
     """DDP-style bucket sizes covering `total` bytes (the first bucket is small: it starts early)."""
-    if total <= first:
-        return [total]
-    rest = total - first
-    n = math.ceil(rest / cap)
-    return [first] + [rest / n] * n
+    n = math.ceil((total - first) / cap)
+    return [total] if total <= first else [first] + [(total - first) / n] * n
 
 
 def collectives(plan: Plan, units: list[float], precision: Precision, world: int,
@@ -68,45 +54,30 @@ def collectives(plan: Plan, units: list[float], precision: Precision, world: int
                 root_reshards: bool = True) -> list[Collective]:
     """The collectives of one step. `units`: parameter counts of the blocks (sharding units);
     `root`: the parameters of the root unit, which FSDP1 keeps gathered from forward to backward
-    (`root_reshards=False`) and FSDP2 gathers again for backward.
-
-    gloo has no reduce-scatter of its own: torch runs it as an all-reduce of the whole buffer
-    (the profiler of a dtlab run shows `gloo:all_reduce` of each unit's unsharded gradients), so
-    on gloo a reduce-scatter costs an all-reduce's traffic, 2(n-1)/n S instead of (n-1)/n S."""
-    calls = _collectives(plan, units, precision, world, ranks_per_node, reshard_after_forward,
-                         torch_zero1, root, root_reshards)
-    if backend == "gloo":
-        calls = [replace(c, op="all_reduce") if c.op == "reduce_scatter" else c for c in calls]
-    return calls
-
-
-def _collectives(plan: Plan, units: list[float], precision: Precision, world: int,
-                 ranks_per_node: int, reshard_after_forward: bool, torch_zero1: bool,
-                 root: float, root_reshards: bool) -> list[Collective]:
+    (`root_reshards=False`) and FSDP2 gathers again for backward. gloo has no reduce-scatter: it
+    runs an all-reduce of the whole buffer (the profiler of a dtlab run shows `gloo:all_reduce`
+    of each unit's unsharded gradients), at an all-reduce's traffic."""
+    if world == 1:
+        return []
+    rs = "all_reduce" if backend == "gloo" else "reduce_scatter"
     n_params = sum(units) + root
     g_bytes = n_params * precision.reduce
     p_bytes = n_params * precision.weight  # zero1/2 all-gather the updated (stored) weights
     multi_node = world > ranks_per_node
-    if world == 1:
-        return []
-    if plan.kind == "ddp" or (plan.kind == "zero1" and torch_zero1):
+    if plan.kind == Kind.REPLICATED or (plan.kind == Kind.ZERO1 and torch_zero1):
         out = [Collective("all_reduce", s, world, 1, multi_node) for s in buckets(g_bytes)]
-        if plan.kind == "zero1":  # each rank broadcasts its updated parameters to the others
-            out.append(Collective("broadcast", n_params * precision.weight / world, world, world,
-                                  multi_node))
+        if plan.kind == Kind.ZERO1:  # each rank broadcasts its updated parameters to the others
+            out.append(Collective("broadcast", p_bytes / world, world, world, multi_node))
         return out
-    if plan.kind in ("zero1", "zero2"):
-        return ([Collective("reduce_scatter", s, world, 1, multi_node) for s in buckets(g_bytes)]
+    if plan.kind in (Kind.ZERO1, Kind.ZERO2):
+        return ([Collective(rs, s, world, 1, multi_node) for s in buckets(g_bytes)]
                 + [Collective("all_gather", s, world, 1, multi_node) for s in buckets(p_bytes)])
-    shards = plan.shards(world)
-    out = []
+    shards, out = plan.shards(world), []
     for i, unit in enumerate([*units, root] if root else units):
-        is_root = root and i == len(units)
-        gathers = 2 if reshard_after_forward and (root_reshards or not is_root) else 1
-        out.append(Collective("all_gather", unit * precision.compute, shards, gathers,
-                              shards > ranks_per_node))
-        out.append(Collective("reduce_scatter", unit * precision.reduce, shards, 1,
-                              shards > ranks_per_node))
+        gathers = 2 if reshard_after_forward and (root_reshards or i < len(units)) else 1
+        out += [Collective("all_gather", unit * precision.compute, shards, gathers,
+                           shards > ranks_per_node),
+                Collective(rs, unit * precision.reduce, shards, 1, shards > ranks_per_node)]
         if shards < world:  # HYBRID: replicas average their shards
             out.append(Collective("all_reduce", unit * precision.reduce / shards, world // shards,
                                   1, True))
@@ -116,10 +87,7 @@ def _collectives(plan: Plan, units: list[float], precision: Precision, world: in
 def offload_bytes(plan: Plan, n_params: float, precision: Precision, world: int) -> float:
     """Host<->device bytes per step of an offloaded layout: the gradient shard copied to the host
     for the optimizer step there, the updated parameter shard copied back."""
-    if not plan.offload:
-        return 0.0
-    n = plan.shards(world)
-    return n_params * (precision.grad + precision.weight) / n
+    return n_params * (precision.grad + precision.weight) / plan.shards(world) if plan.offload else 0.0
 
 
 # ------------------------------------------------------------------------------------ time
@@ -146,15 +114,11 @@ def load_comm_results(path: Path) -> Links:
                          f"dtlab comm --op all --json {path}")
     text = path.read_text()
     try:
-        if path.suffix == ".csv":
-            rows: list[dict[str, Any]] = []
-            for r in csv.DictReader(text.splitlines()):
-                rows.append({"op": r["op"], "world_size": int(r["world_size"]),
-                             "size_bytes": float(r["size_bytes"]), "time_us": float(r["time_us"])})
-        else:
-            rows = json.loads(text)
-            if not isinstance(rows, list):
-                raise ValueError
+        rows: Any = json.loads(text) if path.suffix != ".csv" else [
+            {"op": r["op"], "world_size": int(r["world_size"]), "size_bytes": float(r["size_bytes"]),
+             "time_us": float(r["time_us"])} for r in csv.DictReader(text.splitlines())]
+        if not isinstance(rows, list):
+            raise ValueError
         fitted = fit(rows)
     except (ValueError, KeyError, TypeError):
         raise DtlabError(f"--comm-results '{path}' is not a dtlab comm --json/--csv file; fix: "
@@ -173,9 +137,5 @@ def summarize(calls: list[Collective], links: Links | None) -> dict[str, Any]:
         e["calls"] += c.calls
         e["traffic_bytes"] += c.traffic
     times = [links.seconds(c) for c in calls] if links else []
-    return {
-        "traffic_bytes": sum(c.traffic for c in calls),
-        "calls": sum(c.calls for c in calls),
-        "by_op": by_op,
-        "time_s": sum(times) if times and None not in times else None,
-    }
+    return {"traffic_bytes": sum(c.traffic for c in calls), "calls": sum(c.calls for c in calls),
+            "by_op": by_op, "time_s": sum(times) if times and None not in times else None}

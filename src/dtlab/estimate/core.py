@@ -1,22 +1,26 @@
 """One estimate: a model, a world, a precision and optimizer, a strategy -> the numbers per rank.
 
-A model comes from a dtlab config (built on the meta device: exact parameter shapes, and for
-dtlab's own strategies the exact sharded layouts of layout.py) or from a parameter count, with a
-GPT shape for activations and sharding units: given (--n-layer, --hidden) or by the rule
-hidden = 128 x n_layer, n_layer = floor((P / (12 x 128^2))^(1/3)) (P ~ 12 n_layer hidden^2, the
-shapes of LLaMA-7B, 32 x 4096, and GPT-3 175B, 96 x 12288).
+A model comes from a dtlab config (the state of dtlab's strategies is then measured under the
+fake backend, measure.py, or for DeepSpeed modelled, strategies/deepspeed_memory.py) or from a parameter
+count, with a GPT shape for activations and sharding units: given, or by the rule hidden = 128 x
+n_layer, n_layer = floor((P / (12 x 128^2))^(1/3)) (the shapes of LLaMA-7B and GPT-3 175B).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dtlab.config import Config
-from dtlab.estimate import activations, comm, layout, memory
-from dtlab.estimate.memory import OPTIMIZER_BYTES, PRECISIONS, Plan, Precision
+from dtlab.estimate import activations, comm, memory
+from dtlab.estimate.measure import NotMeasured, RankBytes, measure, meta_model
+from dtlab.estimate.memory import OPTIMIZER_BYTES, PRECISIONS, Kind, Plan, Precision
+from dtlab.strategies import registry
+
+MEASURED, IDEAL = "measured (fake backend)", "modelled (ideal layout)"  # sources of state bytes
 
 
 @dataclass
@@ -46,9 +50,8 @@ def model_from_size(n_params: float, n_layer: int | None, hidden: int | None,
         notes.append(f"shape by the hidden = 128 x layers rule: {n_layer} layers x {hidden}")
     heads = n_head or max(1, hidden // 128)
     block = 12 * hidden * hidden + 12 * hidden
-    rest = n_params - n_layer * block
-    units, root = [float(block)] * n_layer, max(0.0, rest)
-    if rest < 0:
+    units, root = [float(block)] * n_layer, max(0.0, n_params - n_layer * block)
+    if n_params < n_layer * block:
         units = [n_params / n_layer] * n_layer
         notes.append(f"{n_layer} layers x {hidden} hold more than {n_params:.3g} parameters: "
                      "sharding units taken as equal parts")
@@ -58,33 +61,21 @@ def model_from_size(n_params: float, n_layer: int | None, hidden: int | None,
             return activations.gpt_segments(n_layer, hidden, heads, seq_len, vocab, micro, mode)
         notes.append(f"activations of a GPT block (4x MLP, flash attention, no dropout), "
                      f"{heads} heads, vocabulary {vocab}, sequence {seq_len}")
-    return Model(f"{n_params:.3g} parameters", float(n_params), units, root, segments,
-                 notes=notes)
+    return Model(f"{n_params:.3g} parameters", float(n_params), units, root, segments, notes=notes)
 
 
 def model_from_config(path: str | None, overrides: list[str]) -> Model:
     from dtlab.config import load_config
 
     cfg = load_config(path, overrides)
-    meta = layout.meta_model(cfg)
-    units = [float(sum(t.numel for t in u)) for u in layout.fsdp2_units(meta, root=False)]
-    n = float(sum(t.numel for t in layout.as_tensors(layout.unique_params(meta))))
-
-    def segments(micro: int, mode: str) -> list[activations.Segment]:
-        return activations.config_segments(cfg, micro, mode)
-
-    return Model(f"{cfg.model.name} ({int(n):,} parameters)", n, units, n - sum(units), segments,
+    model, taken, units = meta_model(cfg), set(), []
+    for block in model.blocks():  # FSDP's units: each block's parameters no earlier one took
+        units.append(float(sum(p.numel() for p in block.parameters() if id(p) not in taken)))
+        taken |= {id(p) for p in block.parameters()}
+    n = float(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
+    return Model(f"{cfg.model.name} ({int(n):,} parameters)", n, [u for u in units if u],
+                 n - sum(units), lambda micro, mode: activations.config_segments(cfg, micro, mode),
                  cfg, (path, list(overrides)))
-
-
-def backend_of(cfg: Config) -> str:
-    """The backend a dtlab run of `cfg` would use (dtlab/distributed.py's choice)."""
-    import torch
-
-    if cfg.run.backend != "auto":
-        return cfg.run.backend
-    cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
-    return "nccl" if cuda else "gloo"
 
 
 def optimizer_of(cfg: Config) -> str:
@@ -93,19 +84,37 @@ def optimizer_of(cfg: Config) -> str:
 
 
 def precision_of(cfg: Config) -> Precision:
-    """What dtlab's strategies hold: fp32 state; bf16/fp16 only in compute (and reductions,
-    with strategy.fsdp[1].reduce_fp32=false)."""
-    p = cfg.train.precision
-    if p == "fp32":
-        return PRECISIONS["fp32"]
-    if cfg.strategy.name == "deepspeed":  # 16-bit working weights, fp32 master (ZeRO paper's)
+    """What dtlab's strategies hold: fp32 state; bf16/fp16 only in compute (and reductions, with
+    reduce_fp32=false). Master-weight training (DeepSpeed): 16-bit weights, fp32 master."""
+    p, spec = cfg.train.precision, registry.of(cfg)
+    if p == "fp32" or spec.master_weights:
         return PRECISIONS[p]
-    prec = PRECISIONS[f"{p}-autocast"]
-    s = cfg.strategy
-    options = {"fsdp": s.fsdp, "fsdp1": s.fsdp1}.get(s.name)
-    if options is not None and not options.reduce_fp32:
-        prec = replace(prec, reduce=2)
-    return prec
+    low_reduce = getattr(getattr(cfg.strategy, spec.name, None), "reduce_fp32", True) is False
+    return replace(PRECISIONS[f"{p}-autocast"], **({"reduce": 2} if low_reduce else {}))
+
+
+def plan_of(cfg: Config, label: str, ranks_per_node: int) -> Plan | None:
+    """The ideal layout a dtlab strategy corresponds to, for its temporaries and communication;
+    None for tensor and pipeline parallelism, which no layout here describes."""
+    spec = registry.of(cfg)
+    if spec.model_parallel is not None:
+        return None
+    offload = bool(getattr(getattr(cfg.strategy, spec.name, None), "cpu_offload", False))
+    group = spec.shard_group(cfg, ranks_per_node) if spec.shard_group else None
+    return Plan(spec.ideal_layout(cfg), offload, group, label)
+
+
+def exact_state(cfg: Config, world: int, ranks_per_node: int,
+                device: str = "cpu") -> list[RankBytes]:
+    """Per-rank param/grad/optim bytes of `cfg`'s strategy on `world` ranks: measured under the
+    fake backend (every rank up to 16, else the ranks holding the most), or the strategy's model
+    where its library cannot run there (DeepSpeed)."""
+    model = registry.of(cfg).memory_model
+    if model is None:
+        return measure(cfg, world, ranks_per_node, device)
+    numels = [p.numel() for p in {id(p): p for p in meta_model(cfg).parameters()}.values()]
+    return importlib.import_module(f"dtlab.strategies.{model}").modelled_state(
+        numels, cfg, world, device)
 
 
 @dataclass
@@ -124,94 +133,87 @@ class Setup:
 def activation_mode(precision: Precision, wrapper_casts: bool) -> str:
     """fp32; `half` when the weights themselves are 16-bit in compute (master-weight training, or
     FSDP gathering them in 16 bits); else autocast."""
-    if not precision.mixed:
-        return "fp32"
-    return "half" if precision.master or wrapper_casts else "autocast"
+    return "fp32" if not precision.mixed else "half" if precision.master or wrapper_casts else "autocast"
+
+
+def strategy_config(setup: Setup, token: str) -> Config | None:
+    """The config of a dtlab strategy spec (fsdp1:SHARD_GRAD_OP...) on the setup's model; None
+    for the ideal layouts (zero2, hybrid:4...) or a model given by its parameter count."""
+    from dtlab.compare import parse_spec
+    from dtlab.config import load_config
+    from dtlab.errors import ConfigError
+
+    try:
+        path, overrides = setup.model.source
+        return None if setup.model.cfg is None else load_config(path, [*overrides, *parse_spec(token)])
+    except ConfigError:
+        return None
 
 
 def estimate(setup: Setup, token: str) -> dict[str, Any]:
     """One row: the bytes per rank of `token`'s strategy (see memory.parse_plan, or a dtlab
     strategy spec like fsdp1:SHARD_GRAD_OP when the model comes from a config)."""
-    m, world = setup.model, setup.world
-    exact = exact_strategy(setup, token)
-    if exact is not None:
-        plan, cfg, per_rank, reshard, wrapper_casts = exact
-        precision = precision_of(cfg)
-        held = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    import torch
+
+    m, world, rpn = setup.model, setup.world, setup.ranks_per_node
+    cfg = strategy_config(setup, token)
+    spec = cfg and registry.of(cfg)
+    plan = memory.parse_plan(token, world, rpn) if cfg is None else plan_of(cfg, token, rpn)
+    precision = setup.precision if cfg is None else precision_of(cfg)
+    per_rank, source, notes, held = None, IDEAL, [], {}
+    if cfg is not None:
+        device = "cuda" if setup.backend == "nccl" and torch.cuda.is_available() else "cpu"
+        try:
+            per_rank = exact_state(cfg, world, rpn, device)
+            source = MEASURED if spec.memory_model is None else importlib.import_module(
+                f"dtlab.strategies.{spec.memory_model}").SOURCE
+        except NotMeasured as e:
+            if plan is None:
+                raise
+            notes.append(f"{token}: not measured ({e}); the ideal {plan.kind} layout instead")
+    if per_rank is None:
+        state = memory.state_per_rank(m.n_params, plan, precision, setup.optimizer, world)
+    else:
+        held = {k: max(r[k] for r in per_rank) for k in per_rank[0] if k != "rank"}
         master = held.get("master_bytes", 0)  # DeepSpeed: inside optim_bytes, shown apart
         state = memory.State(held["param_bytes"], held["grad_bytes"], master,
                              held["optim_bytes"] - master, 0.0)
-        if "host_bytes" in held:  # DeepSpeed: what its offload puts in host memory
+        if "host_bytes" in held:  # DeepSpeed: what its offload keeps in host memory
             state = replace(state, offloaded=held["host_bytes"])
-        elif plan.offload:
+            plan = replace(plan, offload=plan.offload or held["host_bytes"] > 0)
+        elif plan is not None and plan.offload:
             state = replace(state, offloaded=state.total)  # FSDP offloads all of its shards
-        torch_zero1 = cfg.strategy.name == "zero1"
-    else:
-        plan = memory.parse_plan(token, world, setup.ranks_per_node)
-        precision, per_rank, reshard, torch_zero1 = setup.precision, None, True, False
-        wrapper_casts = plan.kind == "zero3"
-        state = memory.state_per_rank(m.n_params, plan, precision, setup.optimizer, world)
-    deepspeed = exact is not None and exact[1].strategy.name == "deepspeed"
-    temps = memory.temporaries(m.n_params, max(m.units, default=0.0), m.root, plan, precision, world,
-                               gathers_all=exact is not None and plan.kind == "zero2"
-                               and not deepspeed)
-    host_buffers = 0.0
-    if deepspeed:  # its buckets and staging buffers, allocated whatever the model size
-        temps["buffers"] = held["buffer_bytes"] - held["host_buffer_bytes"]
-        temps["backward_buckets"] = held["backward_buffer_bytes"]
-        host_buffers = held["host_buffer_bytes"]
     row: dict[str, Any] = {
-        "strategy": token, "layout": plan.kind + ("+offload" if plan.offload else ""),
-        "shards": plan.shards(world), "exact": exact is not None,
+        "strategy": token, "layout": plan.kind + "+offload" * plan.offload if plan else spec.name,
+        "shards": plan and plan.shards(world), "exact": per_rank is not None, "source": source,
         "params": state.params, "grads": state.grads, "master": state.master,
         "optimizer": state.optimizer, "state": state.total,
-        "host": state.offloaded + host_buffers,
-        "temporaries": temps,
-    }
-    if per_rank is not None:
-        row["per_rank"] = per_rank
+        "host": state.offloaded + held.get("host_buffer_bytes", 0),
+        **({"per_rank": per_rank} if per_rank else {}), "temporaries": {}, "comm": None}
+    if plan is None:  # tp, fsdp_tp, pp: the state is measured, the rest not modelled
+        notes.append(f"{token}: temporaries, activations and communication of tensor and "
+                     "pipeline parallelism are not modelled (shown as 0 and -)")
+        return {**row, "device_total": state.device, "notes": notes}
+    temps = row["temporaries"] = memory.temporaries(
+        m.n_params, max(m.units, default=0.0), m.root, plan, precision, world,
+        gathers_all=plan.kind == Kind.ZERO2 and bool(spec and spec.shards_state))
+    if "buffer_bytes" in held:  # DeepSpeed's buckets and staging buffers, whatever the model size
+        temps.update(buffers=held["buffer_bytes"] - held["host_buffer_bytes"],
+                     backward_buckets=held["backward_buffer_bytes"])
     act = None
     if m.segments is not None:
-        mode = activation_mode(precision, wrapper_casts)
+        casts = (plan.kind == Kind.ZERO3 if spec is None
+                 else registry.strategy_class(spec.name).wrapper_casts)
+        mode = activation_mode(precision, casts)
         act = activations.walk(m.segments(setup.micro, mode), setup.checkpointing)
         row["activations"] = {"saved": act.saved, "peak": act.peak, "mode": mode}
     row["device_total"] = state.device + sum(temps.values()) + (act.peak if act else 0.0)
-    root_reshards = not (exact is not None and exact[1].strategy.name == "fsdp1")
-    calls = comm.collectives(plan, m.units, precision, world, setup.ranks_per_node, reshard,
-                             torch_zero1, setup.backend, m.root, root_reshards)
-    row["comm"] = comm.summarize(calls, setup.links)
-    row["comm"]["host_device_bytes"] = comm.offload_bytes(plan, m.n_params, precision, world)
-    return row
-
-
-def exact_strategy(setup: Setup, token: str) -> tuple[Plan, Config, list, bool, bool] | None:
-    """For a config's model and a dtlab strategy spec: its plan, config, exact per-rank bytes,
-    whether it re-gathers for backward, and whether the wrapper casts (no autocast)."""
-    if setup.model.cfg is None:
-        return None
-    from dtlab.compare import parse_spec
-    from dtlab.config import load_config
-    from dtlab.errors import ConfigError
-    from dtlab.strategies.registry import strategy_class
-
-    try:
-        spec_overrides = parse_spec(token)
-    except ConfigError:
-        return None  # not a dtlab strategy: the ideal layouts apply
-    path, overrides = setup.model.source
-    cfg = load_config(path, [*overrides, *spec_overrides])
-    s = cfg.strategy
-    kind = layout.layout_kind(cfg)
-    group = None
-    if s.name == "fsdp1" and s.fsdp1.sharding_strategy == "HYBRID_SHARD":
-        group = s.fsdp1.shard_group_size or setup.ranks_per_node
-    offload = (s.name == "fsdp" and s.fsdp.cpu_offload) or (s.name == "fsdp1" and s.fsdp1.cpu_offload)
-    reshard = kind != "zero2"
-    device = "cuda" if setup.backend == "nccl" else "cpu"
-    per_rank = layout.exact_state(cfg, setup.world, setup.ranks_per_node, device)
-    offload = offload or any(r.get("host_bytes") for r in per_rank)  # DeepSpeed's offload
-    plan = Plan(kind, offload, group, token)
-    return plan, cfg, per_rank, reshard, strategy_class(s.name).wrapper_casts
+    calls = comm.collectives(plan, m.units, precision, world, rpn, spec is None or
+                             plan.kind != Kind.ZERO2, bool(spec and spec.broadcasts_updates),
+                             setup.backend, m.root, not (spec and spec.root_stays_gathered))
+    row["comm"] = {**comm.summarize(calls, setup.links),
+                   "host_device_bytes": comm.offload_bytes(plan, m.n_params, precision, world)}
+    return {**row, "notes": notes} if notes else row
 
 
 def describe(setup: Setup) -> str:

@@ -1,15 +1,18 @@
-"""Measuring activation memory, to check the estimates against (tests, benchmarks/).
+"""Measurements: the per-rank state of dtlab's torch strategies, under PyTorch's fake backend
+(what the estimate reports), and activations (what tests and benchmarks check activations.py by).
 
-Two measurements of one forward + backward of a real dtlab model in this process:
+The state, one rank at a time in this process: a fake process group for that rank (collectives
+return at once and move nothing), the config's model built on the meta device and materialised,
+not initialised, on the host, wrapped by dtlab's own strategy class, one forward, backward and
+optimizer step, then the strategy's own `state_bytes`, what summary.json's memory_per_rank holds
+after a real run. Values are garbage; shapes, shards, paddings and storages are the wrappers' own,
+and bytes depend on nothing else. Limits: the whole model is held once on the host and run
+(MAX_PARAMS); offload is measured as on a host-only run.
 
-- `saved_bytes`: the distinct storages autograd keeps for backward (saved_tensors_hooks), without
-  the parameters, buffers and the data batch: exactly what activations.py's `saved` counts.
-- `peak_growth`: how much the process's resident memory grew at its peak during the step (CPU:
-  Linux's VmHWM after resetting it through /proc/self/clear_refs; CUDA: max_memory_allocated).
-  Gradients are allocated (zeroed) beforehand, so their bytes are not counted. On CPU run it with
-  MALLOC_MMAP_THRESHOLD_ set (benchmarks/activation_memory.py sets 65536): glibc then maps every
-  large block fresh and unmaps it when freed, so resident memory follows the live tensors;
-  otherwise freed memory stays resident and a repeated step shows no growth at all.
+Activations: `saved_bytes`, the distinct new storages autograd keeps for backward (what
+activations.py's `saved` counts); `peak_growth`, the growth of resident memory at a step's peak
+(CPU: VmHWM reset through /proc/self/clear_refs, run with MALLOC_MMAP_THRESHOLD_=65536 so that
+freed blocks leave; CUDA: max_memory_allocated), gradients allocated beforehand.
 """
 
 from __future__ import annotations
@@ -17,32 +20,186 @@ from __future__ import annotations
 import contextlib
 import gc
 import re
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dtlab.models import loss_fn
+from dtlab.config import Config, check_world, data_parallel_size, model_parallel_size
+from dtlab.data import spec_for
+from dtlab.errors import DtlabError
+from dtlab.models import build_model, loss_fn
+
+RankBytes = dict[str, int]  # param_bytes, grad_bytes, optim_bytes (+ "rank")
+EVERY_RANK = 16  # up to this world size every rank is measured (the tests compare per rank)
+MAX_PARAMS = 50_000_000  # a few seconds and a few hundred MB per measured rank on a CPU
 
 
-def batch(model_kind: str, spec: object, micro: int, device: torch.device | str = "cpu",
+class NotMeasured(DtlabError):
+    """This setup cannot be measured here; the estimate falls back to the ideal layout."""
+
+
+def meta_model(cfg: Config) -> nn.Module:
+    """The config's model with its exact parameter shapes, no memory allocated."""
+    with torch.device("meta"):
+        return build_model(cfg.model, spec_for(cfg))
+
+
+@contextmanager
+def fake_group(rank: int, world: int) -> Iterator[None]:
+    """This process as `rank` of `world` on the fake backend; the group is always destroyed."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    if dist.is_initialized():  # a real group (a training process): never replace or destroy it
+        raise DtlabError("a process group is already initialised in this process; fix: run "
+                         "dtlab estimate in a process of its own")
+    hook = sys.excepthook  # init_process_group wraps it, for good: 1,024 groups, 1,024 wraps
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    # Tiny ops: one thread (two spin against each other on a busy machine, 30x slower here);
+    # uninitialised memory holds denormals (200x slower to multiply): flushed to zero meanwhile
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    try:
+        with warnings.catch_warnings():  # FSDP1's deprecation, DTensor's notes: once per rank
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
+        torch.set_flush_denormal(False)  # torch's default; nothing in dtlab sets it
+        torch.set_num_threads(threads)
+        if "torch.distributed.tensor" in sys.modules:  # DTensor caches sharding decisions by
+            from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # mesh layout:
+            _clear_sharding_prop_cache()  # the next rank's equal-looking mesh would get dead groups
+
+
+def measure_rank(cfg: Config, rank: int, world: int, ranks_per_node: int,
+                 device: torch.device) -> tuple[RankBytes, list[tuple[int, int]] | None]:
+    """This rank's bytes, and every rank's share where this instance tells (see `shares`)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dtlab.distributed import DistContext, DistEnv
+    from dtlab.strategies import registry
+
+    with fake_group(rank, world):
+        env = DistEnv(rank, rank % ranks_per_node, world, ranks_per_node, launcher="env")
+        strategy = registry.build(cfg, DistContext(env, device, "fake", 1))
+        model, optimizer = strategy.setup(meta_model(cfg).to_empty(device=device))
+        # DDP's reducer wants its all-reduce's future to hold the bucket; a fake one holds nothing
+        for m in (model, *getattr(strategy, "parts", ())):  # (pp's replicas: `parts`)
+            if isinstance(m, DistributedDataParallel):
+                m.register_comm_hook(None, noop_hook)
+        engine = strategy.step_engine(model, model, optimizer)
+        if hasattr(strategy, "stage_ids"):
+            stages_forward_backward(strategy, device)
+        else:  # one sample: state bytes do not depend on the batch
+            x, y = batch(cfg.model.name, spec_for(cfg), 1, device)
+            engine.micro_step(x, y, lambda loss: (loss, loss), sync=True)
+        engine.step()
+        return {**strategy.state_bytes(model, optimizer), "rank": rank}, shares(model, optimizer)
+
+
+def stages_forward_backward(pp: Any, device: torch.device) -> None:
+    """pp: each of this rank's stages forward and backward, on inputs of the shapes it declares.
+    Not the schedule: its first step votes and trades shape records point to point, which a fake
+    group cannot deliver. The gradients are the same tensors (each parameter's, FSDP's, DDP's)."""
+    for part, stage in zip(pp.parts, pp.stage_ids, strict=True):
+        meta = pp._shapes(stage)["input_args"]
+        x = torch.zeros(meta.shape, dtype=meta.dtype, device=device, requires_grad=meta.requires_grad)
+        with pp.autocast():
+            part(x).float().sum().backward()
+
+
+def shares(model: nn.Module, optimizer: Any) -> list[tuple[int, int]] | None:
+    """(elements, tensors) of optimizer state on each rank, where torch keeps every rank's share
+    in each instance: ZeroRedundancyOptimizer's partition of whole tensors; FSDP1's
+    FlatParameters (the same padded layout on every rank, each holding its 1/s). Else None."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if hasattr(optimizer, "_partition_parameters"):  # torch's ZeroRedundancyOptimizer
+        return [(sum(p.numel() for g in groups for p in g["params"]),
+                 sum(len(g["params"]) for g in groups)) for groups in optimizer._partition_parameters()]
+    handles = [m._handle for m in FullyShardedDataParallel.fsdp_modules(model) if m._handle]
+    if not handles or not handles[0].uses_sharded_strategy:
+        return None
+    out = [(0, 0)] * dist.get_world_size()
+    for h in handles:
+        size, start = h.flat_param._sharded_size.numel(), 0
+        for n, pad in zip(h.flat_param._numels_with_padding, h.flat_param._is_padding_mask, strict=True):
+            for r in range(len(out)):  # rank r holds shard r % s (HYBRID: mesh (replicate, shard))
+                held = min(start + n, (r % h.world_size + 1) * size) - max(start, r % h.world_size * size)
+                out[r] = (out[r][0] + held, out[r][1] + 1) if held > 0 and not pad else out[r]
+            start += n
+    return out
+
+
+def ranks_to_measure(cfg: Config, world: int, first: list[tuple[int, int]] | None) -> set[int]:
+    """Besides rank 0, the ranks that provably include one holding the most of every kind. With
+    every rank's (elements, tensors) from rank 0's instance: those no rank matches or exceeds in
+    both, since every kind grows with both (elementwise optimizer state, a `step` per tensor;
+    FSDP1 counts its shard only if a parameter has an element in it). Else replicas (ddp,
+    NO_SHARD) or torch.chunk shards (FSDP2; DTensor for tp): coordinate 0 of a mesh dimension
+    holds ceil(d / n) rows of every tensor, no rank more; pp: the first replica's stages."""
+    if model_parallel_size(cfg, world) > 1:  # mesh (dp, mp), row-major: the first replica
+        return set(range(model_parallel_size(cfg, world)))
+    chosen, best = {0}, -1
+    for r in sorted(range(world), key=lambda r: (-first[r][0], -first[r][1], r)) if first else ():
+        if first[r][1] > best:
+            chosen.add(r)
+            best = first[r][1]
+    return chosen
+
+
+def measure(cfg: Config, world: int, ranks_per_node: int, device: str = "cpu",
+            every_rank: bool = False) -> list[RankBytes]:
+    """Measured bytes of every rank up to EVERY_RANK, else of those `ranks_to_measure` picks."""
+    s, t = cfg.strategy, cfg.train
+    n = sum(p.numel() for p in {id(p): p for p in meta_model(cfg).parameters()}.values())
+    if n > MAX_PARAMS:
+        raise NotMeasured(f"{n:,} parameters, more than the {MAX_PARAMS:,} measured in seconds")
+    # What changes no state byte, set so that any world runs: one sample per rank (pipelines:
+    # one per microbatch); no DDP communication hook (they change what travels, and DDP takes
+    # one only)
+    per_rank = getattr(getattr(s, s.name, None), "microbatches", 1)
+    cfg = cfg.model_copy(update={
+        "train": t.model_copy(update={"global_batch_size": data_parallel_size(cfg, world)
+                                      * t.grad_accum_steps * per_rank}),
+        "strategy": s.model_copy(update=dict(ddp=s.ddp.model_copy(update={"comm_hook": "none"})))})
+    try:
+        check_world(cfg, world, ranks_per_node)
+        first, every = measure_rank(cfg, 0, world, ranks_per_node, torch.device(device))
+        ranks = range(world) if every_rank or world <= EVERY_RANK else ranks_to_measure(cfg, world, every)
+        return [first] + [measure_rank(cfg, r, world, ranks_per_node, torch.device(device))[0]
+                          for r in sorted(ranks) if r]
+    except (DtlabError, RuntimeError, ValueError) as e:  # what the strategy refuses or cannot
+        # do on the fake backend here (FSDP1 offload without a GPU, zero1's step in DDP's hook)
+        raise NotMeasured(str(e)) from None
+
+
+# ---------------------------------------------------------------------------------- activations
+def batch(model_kind: str, spec: Any, micro: int, device: torch.device | str = "cpu",
           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     if model_kind == "gpt":
-        x = torch.randint(0, spec.vocab_size, (micro, spec.seq_len), generator=g)  # type: ignore[attr-defined]
-        y = torch.randint(0, spec.vocab_size, (micro, spec.seq_len), generator=g)  # type: ignore[attr-defined]
+        x, y = (torch.randint(0, spec.vocab_size, (micro, spec.seq_len), generator=g) for _ in "xy")
     else:
-        c, s = spec.in_channels, spec.image_size  # type: ignore[attr-defined]
-        x = torch.randn(micro, c, s, s, generator=g)
-        y = torch.randint(0, spec.num_classes, (micro,), generator=g)  # type: ignore[attr-defined]
+        x = torch.randn(micro, spec.in_channels, spec.image_size, spec.image_size, generator=g)
+        y = torch.randint(0, spec.num_classes, (micro,), generator=g)
     return x.to(device), y.to(device)
 
 
 def precision_context(mode: str, device: torch.device) -> contextlib.AbstractContextManager:
-    if mode == "autocast":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    autocast = mode == "autocast"
+    return torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
 
 
 def checkpoint_blocks(model: nn.Module) -> None:
@@ -56,7 +213,6 @@ def saved_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str) -
     """Bytes autograd keeps for backward after one forward (distinct storages, new memory only)."""
     def key(t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
-
     skip = {key(t) for t in (*model.parameters(), *model.buffers(), x, y)}
     kept: dict[int, int] = {}
 
@@ -67,14 +223,12 @@ def saved_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str) -
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             precision_context(mode, x.device):
-        loss = loss_fn(model(x), y)
-    del loss
+        loss_fn(model(x), y)
     return sum(kept.values())
 
 
 def _status(field: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"{field}:\s+(\d+)", text).group(1)) * 1024  # type: ignore[union-attr]
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text())[1]) * 1024
 
 
 def peak_growth(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str,
@@ -91,9 +245,7 @@ def peak_growth(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str,
         step()
     out = []
     for _ in range(repeats):
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.zero_()
+        model.zero_grad(set_to_none=False)
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)

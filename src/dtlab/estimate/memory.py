@@ -1,39 +1,20 @@
 """Per-rank training state of data parallelism, by arithmetic (the ZeRO paper's accounting).
 
-Per parameter, with n the ranks that share (shard) the state:
-
-    weights     w bytes    fp32: 4; bf16/fp16 mixed precision: 2
-    gradients   g bytes    the weights' dtype
-    master      m bytes    an fp32 copy of the weights, kept beside the optimizer when the weights
-                           are 16-bit (4), else none; it is sharded with the optimizer state
-    optimizer   k bytes    fp32 states: SGD 0, SGD with momentum 4, Adam/AdamW 8 (two moments)
-
-    strategy                     weights   gradients   master + optimizer
-    ddp (and FSDP NO_SHARD)      w         g           m + k
-    zero1                        w         g           (m + k) / n
-    zero2 (~ SHARD_GRAD_OP)      w         g / n       (m + k) / n
-    zero3 (FSDP FULL_SHARD)      w / n     g / n       (m + k) / n
-    hybrid:s (HYBRID_SHARD)      as zero3 with n = s, the ranks of one shard group
-    +offload                     the sharded terms live in host memory instead of on the device
-
-The textbook case: 7e9 parameters, AdamW, fp32, 4 ranks: ddp holds 28 + 28 + 56 = 112 GB per
-rank, zero3 a quarter of it, 28 GB. bf16 mixed precision holds 2 + 2 + (4 + 8) = 16 bytes per
-parameter (the ZeRO paper's K = 12 for the master weights and Adam's moments).
-
-`bf16-autocast` (and fp16-autocast) is what torch autocast and FSDP's MixedPrecisionPolicy do, and
-what dtlab's strategies do with train.precision=bf16: weights, gradients and optimizer state stay
-fp32; only activations, all-gathered parameters and (optionally) reductions are 16-bit.
-
-FSDP's SHARD_GRAD_OP shards the weights between steps, but gathers every unit's weights in forward
-and keeps them until its backward: at the peak it holds them all, as DeepSpeed's ZeRO-2 does all
-the time. zero2 here is the ZeRO-2 layout; the exact FSDP layouts are in `layout.py`.
+Per parameter, weights w, gradients g, fp32 master m (16-bit weights only), optimizer k bytes;
+n = the ranks that shard: ddp holds w + g + m + k, zero1 w + g + (m + k)/n, zero2 w + (g + m +
+k)/n, zero3 (w + g + m + k)/n, hybrid:s zero3 with n = s, +offload moves the sharded terms to
+the host. 7e9 parameters, AdamW, fp32, 4 ranks: ddp 112 GB per rank, zero3 28 GB. The tables and
+why: docs/memory.md. `*-autocast` is what dtlab's strategies do with train.precision=bf16: fp32
+state, 16-bit compute (activations, gathered parameters, optionally reductions).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from dtlab.errors import DtlabError
+from dtlab.strategies import registry
 
 
 @dataclass(frozen=True)
@@ -63,21 +44,26 @@ PRECISIONS = {
 # fp32 optimizer-state bytes per parameter.
 OPTIMIZER_BYTES = {"sgd": 0, "sgd-momentum": 4, "adam": 8, "adamw": 8}
 
-KINDS = ("ddp", "zero1", "zero2", "zero3")
-ALIASES = {
-    "single": "ddp", "ddp": "ddp", "no_shard": "ddp",
-    "zero1": "zero1",
-    "zero2": "zero2", "shard_grad_op": "zero2",
-    "zero3": "zero3", "fsdp": "zero3", "full_shard": "zero3",
-    "hybrid": "zero3", "hybrid_shard": "zero3", "hsdp": "zero3",
-}
+class Kind(StrEnum):
+    """The ideal layouts, by what they shard (named as `--strategies` takes them)."""
+
+    REPLICATED = "ddp"
+    ZERO1 = "zero1"  # optimizer state (and fp32 master weights)
+    ZERO2 = "zero2"  # + gradients
+    ZERO3 = "zero3"  # + parameters
+
+
+HYBRID = ("hybrid", "hybrid_shard", *(n for n, s in registry.SPECS.items() if s.shard_group))
+ALIASES = {**{k.value: k for k in Kind}, "no_shard": Kind.REPLICATED, "shard_grad_op": Kind.ZERO2,
+           "full_shard": Kind.ZERO3, **dict.fromkeys(HYBRID, Kind.ZERO3),
+           **{n: Kind(s.textbook) for n, s in registry.SPECS.items() if s.textbook}}
 
 
 @dataclass(frozen=True)
 class Plan:
     """A data-parallel layout: which state is divided, over how many ranks, and where it lives."""
 
-    kind: str  # ddp | zero1 | zero2 | zero3
+    kind: str  # a Kind
     offload: bool = False
     shard_group: int | None = None  # hybrid: ranks per shard group (replicated across groups)
     label: str = ""
@@ -90,31 +76,22 @@ def parse_plan(token: str, world: int, ranks_per_node: int | None = None) -> Pla
     """`zero3`, `zero2+offload`, `hybrid:8`, `FULL_SHARD`, `fsdp+offload`... -> a Plan."""
     text = token.strip()
     base, _, suffix = text.partition("+")
-    name, _, arg = base.partition(":")
-    kind = ALIASES.get(name.lower())
+    name, _, arg = base.lower().partition(":")
+    kind, bad = ALIASES.get(name), f"--strategies: '{token}'"
     if kind is None or suffix not in ("", "offload"):
-        raise DtlabError(
-            f"--strategies: '{token}' is not a strategy; fix: use ddp, zero1, zero2, zero3 "
-            "(or fsdp, FULL_SHARD, SHARD_GRAD_OP, NO_SHARD), hybrid:S, with +offload for zero1/2/3"
-        )
+        raise DtlabError(f"{bad} is not a strategy; fix: use ddp, zero1, zero2, zero3 (or fsdp, "
+                         "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD), hybrid:S, with +offload for zero1/2/3")
     group = None
-    if name.lower() in ("hybrid", "hybrid_shard", "hsdp"):
-        try:
-            group = int(arg) if arg else (ranks_per_node or world)
-        except ValueError:
-            group = 0
+    if name in HYBRID:
+        group = int(arg) if arg.isdigit() else 0 if arg else ranks_per_node or world
         if group < 1 or world % group:
-            raise DtlabError(
-                f"--strategies: '{token}': a shard group of {arg or group} ranks does not divide "
-                f"{world} ranks; fix: write hybrid:S with S a divisor of the world size"
-            )
+            raise DtlabError(f"{bad}: a shard group of {arg or group} ranks does not divide {world} "
+                             "ranks; fix: write hybrid:S with S a divisor of the world size")
     elif arg:
-        raise DtlabError(f"--strategies: '{token}': only hybrid takes ':S'; fix: remove ':{arg}'")
-    if suffix == "offload" and kind == "ddp":
-        raise DtlabError(
-            f"--strategies: '{token}': a full replica has nothing sharded to offload; "
-            "fix: use zero1+offload, zero2+offload or zero3+offload"
-        )
+        raise DtlabError(f"{bad}: only hybrid takes ':S'; fix: remove ':{arg}'")
+    if suffix == "offload" and kind == Kind.REPLICATED:
+        raise DtlabError(f"{bad}: a full replica has nothing sharded to offload; fix: use "
+                         "zero1+offload, zero2+offload or zero3+offload")
     return Plan(kind, suffix == "offload", group, text)
 
 
@@ -133,7 +110,7 @@ class State:
         return self.params + self.grads + self.master + self.optimizer
 
     @property
-    def device(self) -> float:
+    def device(self) -> float:  # what stays on the device
         return self.total - self.offloaded
 
 
@@ -141,12 +118,11 @@ def state_per_rank(n_params: float, plan: Plan, precision: Precision, optimizer:
                    world: int) -> State:
     """The ideal per-rank bytes: every sharded term divided exactly by the shard count."""
     n = plan.shards(world)
-    sharded = {"ddp": (), "zero1": ("master", "optimizer"),
-               "zero2": ("grads", "master", "optimizer"),
-               "zero3": ("params", "grads", "master", "optimizer")}[plan.kind]
+    sharded = {Kind.REPLICATED: (), Kind.ZERO1: ("master", "optimizer"),
+               Kind.ZERO2: ("grads", "master", "optimizer"),
+               Kind.ZERO3: ("params", "grads", "master", "optimizer")}[plan.kind]
     full = {"params": n_params * precision.weight, "grads": n_params * precision.grad,
-            "master": n_params * precision.master,
-            "optimizer": n_params * OPTIMIZER_BYTES[optimizer]}
+            "master": n_params * precision.master, "optimizer": n_params * OPTIMIZER_BYTES[optimizer]}
     held = {k: v / n if k in sharded else v for k, v in full.items()}
     offloaded = sum(held[k] for k in sharded) if plan.offload else 0.0
     return State(held["params"], held["grads"], held["master"], held["optimizer"], offloaded)
@@ -154,23 +130,14 @@ def state_per_rank(n_params: float, plan: Plan, precision: Precision, optimizer:
 
 def temporaries(n_params: float, largest_unit: float, root: float, plan: Plan,
                 precision: Precision, world: int, gathers_all: bool = False) -> dict[str, float]:
-    """Device bytes that exist only during a step, beside the state and the activations.
-
-    zero3: the all-gathered weights of the root unit (embeddings and head: gathered for the whole
-    forward and backward), of the block being computed and of the next one (prefetched), and one
-    unit's unsharded gradients before their reduce-scatter. zero2: one unit's unsharded
-    gradients; with `gathers_all` (FSDP's SHARD_GRAD_OP, whose weights are sharded between steps)
-    also every unit's gathered weights, held from forward to backward. (autocast's 16-bit copies
-    of the weights are saved tensors: activations.py counts them.)
-    """
-    if plan.shards(world) == 1:
+    """Device bytes that exist only during a step, beside the state and the activations. zero3:
+    the gathered weights of the root unit (kept through the step), of the block computed and of
+    the next (prefetched), and one unit's unsharded gradients; zero2: those gradients, and with
+    `gathers_all` (FSDP's SHARD_GRAD_OP) every unit's weights, held from forward to backward.
+    (autocast's 16-bit copies of the weights are saved tensors: activations.py counts them.)"""
+    grads = {"unsharded_grads": max(largest_unit, root) * precision.reduce}
+    if plan.shards(world) == 1 or plan.kind not in (Kind.ZERO2, Kind.ZERO3):
         return {}
-    if plan.kind == "zero3":
-        return {"gathered_params": (root + 2 * largest_unit) * precision.compute,
-                "unsharded_grads": max(largest_unit, root) * precision.reduce}
-    if plan.kind == "zero2":
-        out = {"unsharded_grads": max(largest_unit, root) * precision.reduce}
-        if gathers_all:
-            out["gathered_params"] = n_params * precision.compute
-        return out
-    return {}
+    if plan.kind == Kind.ZERO3:
+        return {"gathered_params": (root + 2 * largest_unit) * precision.compute, **grads}
+    return {**grads, **({"gathered_params": n_params * precision.compute} if gathers_all else {})}

@@ -64,6 +64,6 @@ SPEC = StrategySpec(
     options=DeepSpeedOptions, variant=("strategy.deepspeed.zero_stage", ("1", "2", "3"),
                                         "its ZeRO stage (deepspeed:1, :2 or :3)"),
     extra=("deepspeed", "deepspeed"), check=check, label=label, layout=layout,
-    measured_memory=False,  # DeepSpeed cannot run under the fake backend: modelled
+    memory_model="deepspeed_memory", master_weights=True,
 )
 SPECS = (SPEC,)

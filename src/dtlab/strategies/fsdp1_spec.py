@@ -67,6 +67,8 @@ SPEC = StrategySpec(
     options=FSDP1Options, variant=("strategy.fsdp1.sharding_strategy", SHARDING_STRATEGIES,
              f"a variant ({', '.join(SHARDING_STRATEGIES)})"),
     check=check, label=label, layout=lambda cfg: LAYOUTS[cfg.strategy.fsdp1.sharding_strategy],
-    comm_bytes=comm_bytes, shards_state=True,
+    comm_bytes=comm_bytes, shards_state=True, root_stays_gathered=True,
+    shard_group=lambda cfg, per_node: cfg.strategy.fsdp1.shard_group_size or per_node
+    if cfg.strategy.fsdp1.sharding_strategy == "HYBRID_SHARD" else None,
 )
 SPECS = (SPEC,)

@@ -54,6 +54,7 @@ SPEC = StrategySpec(
     about="hybrid sharding: FSDP2 inside shard groups, replicated across them (2-D mesh)",
     options=HSDPOptions, mesh_key="strategy.hsdp.shard_size", validate=fsdp_spec.validate,
     check=check, textbook="zero3", comm_bytes=comm_bytes, shards_state=True,
+    shard_group=lambda cfg, per_node: cfg.strategy.hsdp.shard_size or per_node,
     layout=lambda cfg: "zero3" if cfg.strategy.hsdp.reshard_after_forward else "zero2",
 )
 SPECS = (SPEC,)

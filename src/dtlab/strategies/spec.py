@@ -44,9 +44,17 @@ class StrategySpec:
     # The ideal ZeRO layout this strategy corresponds to (estimate's ddp/zero1/zero2/zero3)
     layout: Callable[[Config], str] | None = None
     textbook: str | None = None  # what `dtlab estimate --n-params` computes for this name
-    measured_memory: bool = True  # exact bytes from the real wrapper under the fake backend
+    # Exact bytes: measured from the real wrapper under the fake backend, or (a module of
+    # dtlab.strategies with `modelled_state`) modelled where the library cannot run there
+    memory_model: str | None = None
     comm_bytes: CommBytes | None = None
     shards_state: bool = False  # parameters and gradients are split over the ranks
+    # Ranks of one shard group when smaller than the world (hybrid sharding), from the config
+    # and the ranks per node
+    shard_group: Callable[[Config, int], int] | None = None
+    master_weights: bool = False  # 16-bit working weights, fp32 master copies (not autocast)
+    broadcasts_updates: bool = False  # each rank broadcasts the parameters it updated (zero1)
+    root_stays_gathered: bool = False  # the root unit is not resharded after forward (FSDP1)
 
     def model_parallel_size(self, cfg: Config, world_size: int) -> int:
         return self.model_parallel(cfg, world_size) if self.model_parallel else 1

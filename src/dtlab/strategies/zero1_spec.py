@@ -49,5 +49,6 @@ SPEC = StrategySpec(
     name="zero1", impl="zero1:Zero1",
     about="DDP with the optimizer state split over the ranks (ZeroRedundancyOptimizer)",
     options=Zero1Options, check=check, textbook="zero1", layout=lambda cfg: "zero1",
+    broadcasts_updates=True,
 )
 SPECS = (SPEC,)
