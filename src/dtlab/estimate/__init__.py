@@ -6,7 +6,7 @@ process-group backend in this process, any world size. Modelled: DeepSpeed's sta
 to the byte, in strategies/deepspeed_memory.py), the ideal ZeRO layouts (--n-params,
 zero2/zero3/hybrid), activations, temporaries, communication.
 
-measure.py         the fake-backend measurement; saved activations and peak memory, for checks
+measure.py         the fake-backend measurement
 memory.py          the per-rank bytes of the ideal layouts (the ZeRO paper's accounting)
 activations.py     what each model family saves for backward, and the peak during backward
 comm.py            communication volume per step and its predicted time
