@@ -24,7 +24,7 @@ from torch import nn
 from dtlab.config import Config, check_world, data_parallel_size, model_parallel_size
 from dtlab.data import spec_for
 from dtlab.errors import DtlabError
-from dtlab.models import build_model
+from dtlab.models import build_model, count_params
 
 RankBytes = dict[str, int]  # param_bytes, grad_bytes, optim_bytes (+ "rank")
 EVERY_RANK = 16  # up to this world size every rank is measured (the tests compare per rank)
@@ -152,7 +152,7 @@ def measure(cfg: Config, world: int, ranks_per_node: int, device: str = "cpu",
             every_rank: bool = False) -> list[RankBytes]:
     """Measured bytes of every rank up to EVERY_RANK, else of those `ranks_to_measure` picks."""
     s, t = cfg.strategy, cfg.train
-    n = sum(p.numel() for p in {id(p): p for p in meta_model(cfg).parameters()}.values())
+    n = count_params(meta_model(cfg))
     if n > MAX_PARAMS:
         raise NotMeasured(f"{n:,} parameters, more than the {MAX_PARAMS:,} measured in seconds")
     # What changes no state byte, set so that any world runs: one sample per rank (pipelines:
