@@ -157,18 +157,17 @@ def config_batch(args: argparse.Namespace, model: Any, world: int, ranks_per_nod
     """(micro batch, config) of a config's run on `world` ranks. A global batch that does not
     split over them leaves the state estimate standing (it needs no batch): one sample, noted."""
     from dtlab.config import check_world, data_parallel_size, load_config
+    from dtlab.estimate.measure import one_sample_per_rank
 
     cfg = model.cfg
     if registry.of(cfg).one_process and world > 1:  # the batch splits as with any replicas
         cfg = load_config(args.config, [*args.overrides, f"strategy.name={registry.BASELINE}"])
     t, split = cfg.train, data_parallel_size(cfg, world) * cfg.train.grad_accum_steps
     if t.global_batch_size % split and not args.micro_batch:
-        per_rank = getattr(getattr(cfg.strategy, cfg.strategy.name, None), "microbatches", 1)
+        cfg = one_sample_per_rank(cfg, world)
         model.notes.append(f"train.global_batch_size={t.global_batch_size} does not split over "
                            f"{split} ranks x accumulation steps: activations for a micro batch of "
-                           f"{per_rank} (--micro-batch N to choose)")
-        cfg = cfg.model_copy(update={"train": t.model_copy(
-            update={"global_batch_size": split * per_rank})})
+                           f"{cfg.train.global_batch_size // split} (--micro-batch N to choose)")
     return args.micro_batch or check_world(cfg, world, ranks_per_node), cfg
 
 

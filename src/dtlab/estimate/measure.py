@@ -148,21 +148,25 @@ def ranks_to_measure(cfg: Config, world: int, first: list[tuple[int, int]] | Non
     return chosen
 
 
+def one_sample_per_rank(cfg: Config, world: int) -> Config:
+    """`cfg` with a global batch that any world size splits: one sample per rank and micro step
+    (pipelines: one per microbatch). No state byte depends on the batch."""
+    t, s = cfg.train, cfg.strategy
+    per_rank = getattr(getattr(s, s.name, None), "microbatches", 1)
+    return cfg.model_copy(update={"train": t.model_copy(update={
+        "global_batch_size": data_parallel_size(cfg, world) * t.grad_accum_steps * per_rank})})
+
+
 def measure(cfg: Config, world: int, ranks_per_node: int, device: str = "cpu",
             every_rank: bool = False) -> list[RankBytes]:
     """Measured bytes of every rank up to EVERY_RANK, else of those `ranks_to_measure` picks."""
-    s, t = cfg.strategy, cfg.train
     n = count_params(meta_model(cfg))
     if n > MAX_PARAMS:
         raise NotMeasured(f"{n:,} parameters, more than the {MAX_PARAMS:,} measured in seconds")
-    # What changes no state byte, set so that any world runs: one sample per rank (pipelines:
-    # one per microbatch); no DDP communication hook (they change what travels, and DDP takes
-    # one only)
-    per_rank = getattr(getattr(s, s.name, None), "microbatches", 1)
-    cfg = cfg.model_copy(update={
-        "train": t.model_copy(update={"global_batch_size": data_parallel_size(cfg, world)
-                                      * t.grad_accum_steps * per_rank}),
-        "strategy": s.model_copy(update=dict(ddp=s.ddp.model_copy(update={"comm_hook": "none"})))})
+    # No DDP communication hook: hooks change what travels, not what is held, and DDP takes one only
+    cfg = one_sample_per_rank(cfg, world)
+    ddp = cfg.strategy.ddp.model_copy(update={"comm_hook": "none"})
+    cfg = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"ddp": ddp})})
     try:
         check_world(cfg, world, ranks_per_node)
         first, every = measure_rank(cfg, 0, world, ranks_per_node, torch.device(device))
