@@ -5,20 +5,31 @@
 
 The cases run one after another in a single-threaded child process started with
 MALLOC_MMAP_THRESHOLD_=65536, so glibc returns freed blocks to the system and the resident-memory
-peak follows the live tensors (src/dtlab/estimate/measure.py). Measured = median peak growth of 3
-forward + backward steps (gradients already allocated). CUDA is used when available
-(max_memory_allocated growth).
+peak follows the live tensors. Measured = median peak growth of 3 forward + backward steps
+(gradients already allocated; `peak_growth`: VmHWM reset through /proc/self/clear_refs). CUDA is
+used when available (max_memory_allocated growth). Traced = `saved_bytes`, the distinct new
+storages autograd keeps for backward, what activations.py's `saved` counts
+(tests/test_estimate.py imports it from here and compares them exactly).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dtlab.models import loss_fn
 
 CASES = [
     # (label, overrides, micro batches)
@@ -32,14 +43,77 @@ QUICK = [("quick CNN", ["model.name=cnn"], [128]), ("GPT 4x128 (fsdp_gpt)", ["mo
 MODES = ["fp32", "autocast"]
 
 
+def precision_context(mode: str, device: torch.device) -> contextlib.AbstractContextManager:
+    autocast = mode == "autocast"
+    return torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
+
+def checkpoint_blocks(model: nn.Module) -> None:
+    """Per-block activation checkpointing (non-reentrant), on the model's sharding units."""
+    for block in model.blocks():
+        forward = block.forward
+        block.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(forward)
+
+
+def saved_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str) -> int:
+    """Bytes autograd keeps for backward after one forward (distinct storages, new memory only)."""
+    def key(t: torch.Tensor) -> int:
+        return t.untyped_storage().data_ptr()
+    skip = {key(t) for t in (*model.parameters(), *model.buffers(), x, y)}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if key(t) not in skip:
+            kept[key(t)] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            precision_context(mode, x.device):
+        loss_fn(model(x), y)
+    return sum(kept.values())
+
+
+def _status(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text())[1]) * 1024
+
+
+def peak_growth(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str,
+                repeats: int = 3) -> list[int]:
+    """Peak memory growth (bytes) of forward + backward, `repeats` times after two warm-ups."""
+    dev = x.device
+
+    def step() -> None:
+        with precision_context(mode, dev):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+
+    for _ in range(2):  # allocates the gradients, initialises kernels and their workspaces
+        step()
+    out = []
+    for _ in range(repeats):
+        model.zero_grad(set_to_none=False)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            step()
+            torch.cuda.synchronize(dev)
+            out.append(torch.cuda.max_memory_allocated(dev) - base)
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+            base = _status("VmRSS")
+            step()
+            out.append(_status("VmHWM") - base)
+    return out
+
+
 def one(overrides: list[str], micro: int, mode: str, ckpt: bool) -> dict:
     """Runs in the child process: estimate, trace and measure one case."""
-    import torch
-
     from dtlab.config import load_config
     from dtlab.data import spec_for
     from dtlab.estimate.activations import config_segments, walk
-    from dtlab.estimate.measure import batch, checkpoint_blocks, peak_growth, saved_bytes
+    from dtlab.estimate.measure import batch
     from dtlab.models import build_model
 
     torch.set_num_threads(1)

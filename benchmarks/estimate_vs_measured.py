@@ -5,7 +5,9 @@
 Runs `dtlab compare` on 2 ranks for the quick CNN, ResNet-18 and the GPT of configs/fsdp_gpt.yaml
 with ddp, fsdp, fsdp1 (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD), and DeepSpeed ZeRO 1/2/3 where the
 extra is installed (or --strategies), then compares per rank:
-- the exact state bytes of each run's summary.json with src/dtlab/estimate/layout.py;
+- the exact state bytes of each run's summary.json with the estimate's (measured under the fake
+  backend, src/dtlab/estimate/measure.py; DeepSpeed's modelled in
+  src/dtlab/strategies/deepspeed_memory.py);
 - (CNN and GPT, run.comm_breakdown=true) the ring traffic of the collectives the profiler saw
   with the estimated volume, and the measured communication time with the time predicted from
   the alpha-beta fit of a `dtlab comm --json` result (default docs/results/comm_all_2ranks.json,

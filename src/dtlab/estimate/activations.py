@@ -58,40 +58,38 @@ def walk(segments: list[Segment], checkpoint: bool) -> Activations:
     return Activations(sum(kept.values()), peak)
 
 
-def elem_sizes(mode: str) -> tuple[int, int]:
-    """(activation bytes, residual-stream / layer-norm bytes) of a precision mode."""
+def elem_sizes(mode: str) -> tuple[int, int, int]:
+    """Bytes per element of a precision mode: (activations, the residual stream and layer norms,
+    autocast's saved 16-bit copies of weights)."""
     if mode not in ("fp32", "autocast", "half"):
         raise DtlabError(f"activation precision '{mode}' is not fp32, autocast or half")
-    return (4, 4) if mode == "fp32" else (2, 4) if mode == "autocast" else (2, 2)
+    return (4, 4, 0) if mode == "fp32" else (2, 4, 2) if mode == "autocast" else (2, 2, 0)
 
 
 # ------------------------------------------------------------------------------------- GPT
 def gpt_segments(n_layer: int, n_embd: int, n_head: int, seq: int, vocab: int, micro: int,
                  mode: str, block_size: int | None = None) -> list[Segment]:
     """dtlab's GPT (pre-norm, 4x MLP with GELU, scaled_dot_product_attention, no dropout)."""
-    a, r = elem_sizes(mode)
-    cast = mode == "autocast"
-    wc = 2 if cast else 0  # bytes per weight element of autocast's saved 16-bit copies
+    a, r, wc = elem_sizes(mode)
     h, tok = n_embd, micro * seq
     th = tok * h
     stats = 2 * (2 if mode == "half" else 4) * tok  # layer norm: mean and rstd per token
     lse = 4 * micro * n_head * seq  # attention's log-sum-exp, fp32
-    blocks = []
-    for i in range(n_layer):
-        blocks.append(Segment(f"block{i}", [
-            Op("ln_1", r * th + stats, r * th, r * th, r * th),
-            # q, k, v projections read the same normed input: autocast casts it once per consumer
-            Op("qkv", (3 if cast else 1) * a * th + wc * 3 * h * h, 3 * a * th, r * th,
-               r * th + 4 * 3 * h * h, wc * 3 * h * h),
-            Op("attention", 4 * a * th + lse, a * th, 3 * a * th, r * th),  # q, k, v, out
-            Op("out_proj", wc * h * h, a * th, a * th, r * th + 4 * h * h, wc * h * h),
-            Op("ln_2", r * th + stats, r * th, r * th, r * th),
-            Op("fc", a * th + wc * 4 * h * h, 4 * a * th, r * th, r * th + 4 * 4 * h * h,
-               wc * 4 * h * h),
-            Op("gelu", 4 * a * th, 4 * a * th, 4 * a * th, r * th),
-            Op("proj", 4 * a * th + wc * 4 * h * h, a * th, 4 * a * th, r * th + 4 * 4 * h * h,
-               wc * 4 * h * h),
-        ], input_bytes=r * th, block=True))
+    ops = [  # every block's
+        Op("ln_1", r * th + stats, r * th, r * th, r * th),
+        # q, k, v projections read the same normed input: autocast casts it once per consumer
+        Op("qkv", (3 if wc else 1) * a * th + wc * 3 * h * h, 3 * a * th, r * th,
+           r * th + 4 * 3 * h * h, wc * 3 * h * h),
+        Op("attention", 4 * a * th + lse, a * th, 3 * a * th, r * th),  # q, k, v, out
+        Op("out_proj", wc * h * h, a * th, a * th, r * th + 4 * h * h, wc * h * h),
+        Op("ln_2", r * th + stats, r * th, r * th, r * th),
+        Op("fc", a * th + wc * 4 * h * h, 4 * a * th, r * th, r * th + 4 * 4 * h * h,
+           wc * 4 * h * h),
+        Op("gelu", 4 * a * th, 4 * a * th, 4 * a * th, r * th),
+        Op("proj", 4 * a * th + wc * 4 * h * h, a * th, 4 * a * th, r * th + 4 * 4 * h * h,
+           wc * 4 * h * h),
+    ]
+    blocks = [Segment(f"block{i}", ops, input_bytes=r * th, block=True) for i in range(n_layer)]
     positions = block_size or seq
     embed = Segment("embedding", [Op("embedding", 8 * seq, r * th, 0, 4 * (vocab + positions) * h)])
     head = Segment("head", [
@@ -109,10 +107,8 @@ def cnn_segments(channels: list[int], hidden: int, in_channels: int, image_size:
                  num_classes: int, batch_norm: bool, activation: str, pool: str, micro: int,
                  mode: str) -> list[Segment]:
     """dtlab's SimpleCNN: conv stages (conv3x3, [BN], activation, pool 2) and an MLP head."""
-    a, r = elem_sizes(mode)
+    a, r, wc = elem_sizes(mode)
     bn = 2 * r  # batch norm's saved mean and inverse std per channel (the weights' dtype)
-    cast = mode == "autocast"
-    wc = 2 if cast else 0
     b, s = micro, image_size
     segs = []
     widths = [in_channels, *channels]
@@ -122,8 +118,7 @@ def cnn_segments(channels: list[int], hidden: int, in_channels: int, image_size:
         # conv keeps its input: the previous stage's output, or for the first the data itself
         # (only autocast's 16-bit copy of the data is new memory)
         first = i == 0
-        kept_input = (wc * x_in if first else a * x_in)
-        ops = [Op("conv", kept_input + wc * w, a * x_out, 0 if first else a * x_in,
+        ops = [Op("conv", (wc if first else a) * x_in + wc * w, a * x_out, 0 if first else a * x_in,
                   4 * (w + (0 if batch_norm else c_out)), wc * w)]
         if batch_norm:
             ops.append(Op("batch_norm", a * x_out + bn * c_out, a * x_out, a * x_out, 8 * c_out))
@@ -151,9 +146,8 @@ def cnn_segments(channels: list[int], hidden: int, in_channels: int, image_size:
 def resnet_segments(widths: list[int], layout: tuple[int, ...], in_channels: int,
                     image_size: int, num_classes: int, micro: int, mode: str) -> list[Segment]:
     """dtlab's CIFAR ResNet: 3x3 stem, BasicBlocks (each block's input kept by its conv1)."""
-    a, r = elem_sizes(mode)
+    a, r, wc = elem_sizes(mode)
     bn = 2 * r  # batch norm's saved mean and inverse std per channel (the weights' dtype)
-    wc = 2 if mode == "autocast" else 0
     b, s = micro, image_size
     c0 = widths[0]
     x = b * c0 * s * s

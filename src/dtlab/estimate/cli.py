@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.errors import DtlabError
+from dtlab.estimate.memory import PRECISIONS
 from dtlab.strategies import registry
 
 GB = 1e9
 DEFAULT_STRATEGIES = "ddp,zero1,zero2,zero3,zero3+offload"
-PRECISIONS = ("fp32", "bf16", "fp16", "bf16-autocast", "fp16-autocast")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
 
 
@@ -43,7 +43,7 @@ TYPES: dict[str, Any] = {"n_params": count, **dict.fromkeys((
         "n_layer", "hidden", "n_head", "seq_len", "vocab", "micro_batch", "ranks_per_node",
         "world_size", "gpus"), int)}
 EXAMPLES = {"n_params": "7e9", "bandwidth": "100", "gpu_memory": "80", "inter_node_bandwidth": "25"}
-CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "backend": ("nccl", "gloo")}
+CHOICES = {"optimizer": OPTIMIZERS, "precision": tuple(PRECISIONS), "backend": ("nccl", "gloo")}
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -116,6 +116,7 @@ def add_advise_arguments(p: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------------------ building a setup
 def build_setup(args: argparse.Namespace, world: int) -> Any:
+    from dtlab.config.world import backend_type
     from dtlab.estimate import core
     from dtlab.estimate.comm import Links, load_comm_results
 
@@ -135,15 +136,13 @@ def build_setup(args: argparse.Namespace, world: int) -> Any:
         model = core.model_from_config(args.config, args.overrides)
         micro, cfg = config_batch(args, model, world, ranks_per_node)
         precision, optimizer = core.precision_of(cfg), core.optimizer_of(cfg)
-        from dtlab.config.world import backend_type
-
         backend = args.backend or backend_type(cfg)
     else:
         if args.overrides:
             raise DtlabError(f"overrides {args.overrides} need --config; fix: remove them")
         model = core.model_from_size(args.n_params, args.n_layer, args.hidden, args.n_head,
                                      args.seq_len, args.vocab)
-        micro, precision = args.micro_batch or 1, core.PRECISIONS[args.precision or "fp32"]
+        micro, precision = args.micro_batch or 1, PRECISIONS[args.precision or "fp32"]
         optimizer, backend = args.optimizer or "adamw", args.backend or "nccl"
     links = load_comm_results(Path(args.comm_results)) if args.comm_results else None
     if args.bandwidth:
@@ -158,24 +157,23 @@ def config_batch(args: argparse.Namespace, model: Any, world: int, ranks_per_nod
     """(micro batch, config) of a config's run on `world` ranks. A global batch that does not
     split over them leaves the state estimate standing (it needs no batch): one sample, noted."""
     from dtlab.config import check_world, data_parallel_size, load_config
+    from dtlab.estimate.measure import one_sample_per_rank
 
     cfg = model.cfg
     if registry.of(cfg).one_process and world > 1:  # the batch splits as with any replicas
         cfg = load_config(args.config, [*args.overrides, f"strategy.name={registry.BASELINE}"])
     t, split = cfg.train, data_parallel_size(cfg, world) * cfg.train.grad_accum_steps
     if t.global_batch_size % split and not args.micro_batch:
-        per_rank = getattr(getattr(cfg.strategy, cfg.strategy.name, None), "microbatches", 1)
+        cfg = one_sample_per_rank(cfg, world)
         model.notes.append(f"train.global_batch_size={t.global_batch_size} does not split over "
                            f"{split} ranks x accumulation steps: activations for a micro batch of "
-                           f"{per_rank} (--micro-batch N to choose)")
-        cfg = cfg.model_copy(update={"train": t.model_copy(
-            update={"global_batch_size": split * per_rank})})
+                           f"{cfg.train.global_batch_size // split} (--micro-batch N to choose)")
     return args.micro_batch or check_world(cfg, world, ranks_per_node), cfg
 
 
 # ------------------------------------------------------------------------------------- output
-def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
-    cells = [[h for _, h in columns]] + [[str(r.get(key, "")) for key, _ in columns] for r in rows]
+def table(rows: list[dict[str, str]], columns: list[str]) -> str:
+    cells = [columns] + [[r[c] for c in columns] for r in rows]
     width = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     return "\n".join("  ".join(v.rjust(w) if i else v.ljust(w)
                                for i, (v, w) in enumerate(zip(c, width, strict=True))) for c in cells)
@@ -191,17 +189,14 @@ def display_rows(rows: list[dict[str, Any]], scale: float) -> list[dict[str, Any
     return [{"strategy": r["strategy"] + MARKS.get(r["source"], ""), "params": mb(r["params"]),
              "grads": mb(r["grads"]), "master": mb(r["master"]), "optim": mb(r["optimizer"]),
              "state": mb(r["state"]), "temp": mb(sum(r["temporaries"].values())),
-             "act": mb(r.get("activations", {}).get("peak")), "total": mb(r["device_total"]),
-             "host": mb(r["host"]), "comm": mb(r["comm"] and r["comm"]["traffic_bytes"]),
-             "time": "-" if not r["comm"] or r["comm"]["time_s"] is None
-             else f"{r['comm']['time_s'] * 1e3:.1f}",
-             **{k: r[k] for k in ("fits_text", "headroom_text") if k in r}} for r in rows]
+             "activ": mb(r.get("activations", {}).get("peak")), "total": mb(r["device_total"]),
+             "host": mb(r["host"]), "comm/step": mb(r["comm"] and r["comm"]["traffic_bytes"]),
+             "comm ms": "-" if not r["comm"] or r["comm"]["time_s"] is None
+             else f"{r['comm']['time_s'] * 1e3:.1f}", **r.get("shown", {})} for r in rows]
 
 
-COLUMNS = [("strategy", "strategy"), ("params", "params"), ("grads", "grads"),
-           ("master", "master"), ("optim", "optim"), ("state", "state"), ("temp", "temp"),
-           ("act", "activ"), ("total", "total"), ("host", "host"), ("comm", "comm/step"),
-           ("time", "comm ms")]
+COLUMNS = ["strategy", "params", "grads", "master", "optim", "state", "temp", "activ", "total",
+           "host", "comm/step", "comm ms"]  # display_rows' keys, shown as they are
 LEGEND = ("per rank, {u}: params/grads/master/optim = training state (state = their sum); temp = "
           "all-gathered units and unsharded gradients during a step (deepspeed: + its reduce buckets "
           "and offload staging buffers, exact); activ = activation peak in "
@@ -268,20 +263,20 @@ def cmd_advise(args: argparse.Namespace) -> int:
     header("advise", base, f"; {args.gpu_memory:g} GB per GPU"
            + (f", {args.reserve:g} GB reserved" if args.reserve else ""))
     rows = result["candidates"]
-    for r in rows:
-        r["fits_text"] = "yes" if r["fits"] else "no (host)" if r.get("host_fits") is False else "no"
-        r["headroom_text"] = f"{r['headroom'] / GB:+.2f}"
+    for r in rows:  # (after the JSON: these are for the table only)
+        r["shown"] = {"fits": "yes" if r["fits"] else "no (host)" if r.get("host_fits") is False
+                      else "no", "headroom": f"{r['headroom'] / GB:+.2f}"}
         r["strategy"] += " +ckpt" if r["checkpointing"] else ""
-    print(table(display_rows(rows, GB), [COLUMNS[0], *COLUMNS[5:10], ("fits_text", "fits"),
-                                         ("headroom_text", "headroom"), *COLUMNS[10:]]))
+    columns = [COLUMNS[0], *COLUMNS[5:10], "fits", "headroom", *COLUMNS[10:]]
+    print(table(display_rows(rows, GB), columns))
     print("per GPU, GB; headroom = memory - total" + (" - reserve" if args.reserve else "")
           + ("; no (host): the offloaded state of a node's GPUs exceeds --host-memory"
              if any(r.get("host_fits") is False for r in rows) else ""))
-    print(recommendation_text(result["recommendation"], gpu, GB))
+    print(recommendation_text(result["recommendation"], gpu))
     return 0
 
 
-def recommendation_text(rec: dict[str, Any], gpu: float, scale: float) -> str:
+def recommendation_text(rec: dict[str, Any], gpu: float) -> str:
     if rec.get("strategy") is None:
         more = (f"; about {rec['gpus_needed']} GPUs would fit zero3 with activation checkpointing"
                 if rec.get("gpus_needed") else "")
@@ -289,8 +284,8 @@ def recommendation_text(rec: dict[str, Any], gpu: float, scale: float) -> str:
     ckpt = " with activation checkpointing" if rec.get("checkpointing") else ""
     mp = f" and tensor parallelism {rec['model_parallel']}" if rec.get("model_parallel") else ""
     used, room = rec["per_gpu_bytes"], rec["headroom_bytes"]
-    return (f"advice: {rec['strategy']}{ckpt}{mp} - {used / scale:.2f} of {gpu / scale:.2f} GB "
-            f"per GPU, headroom {room / scale:.2f} GB ({100 * room / gpu:.0f}%); {rec['why']}.")
+    return (f"advice: {rec['strategy']}{ckpt}{mp} - {used / GB:.2f} of {gpu / GB:.2f} GB "
+            f"per GPU, headroom {room / GB:.2f} GB ({100 * room / gpu:.0f}%); {rec['why']}.")
 
 
 def setup_dict(setup: Any) -> dict[str, Any]:

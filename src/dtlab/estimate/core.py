@@ -18,6 +18,7 @@ from dtlab.config import Config
 from dtlab.estimate import activations, comm, memory
 from dtlab.estimate.measure import NotMeasured, RankBytes, measure, meta_model
 from dtlab.estimate.memory import OPTIMIZER_BYTES, PRECISIONS, Kind, Plan, Precision
+from dtlab.models import count_params
 from dtlab.strategies import registry
 
 MEASURED, IDEAL = "measured (fake backend)", "modelled (ideal layout)"  # sources of state bytes
@@ -35,17 +36,11 @@ class Model:
     notes: list[str] = field(default_factory=list)
 
 
-def gpt_shape(n_params: float) -> tuple[int, int]:
-    """(n_layer, hidden) of a GPT with about n_params parameters, by the hidden = 128 L rule."""
-    n_layer = max(1, math.floor((n_params / (12 * 128 * 128)) ** (1 / 3)))
-    return n_layer, 128 * n_layer
-
-
 def model_from_size(n_params: float, n_layer: int | None, hidden: int | None,
                     n_head: int | None, seq_len: int | None, vocab: int) -> Model:
     notes = []
     if n_layer is None or hidden is None:
-        n_layer = n_layer or gpt_shape(n_params)[0]
+        n_layer = n_layer or max(1, math.floor((n_params / (12 * 128 * 128)) ** (1 / 3)))
         hidden = hidden or 128 * n_layer
         notes.append(f"shape by the hidden = 128 x layers rule: {n_layer} layers x {hidden}")
     heads = n_head or max(1, hidden // 128)
@@ -72,7 +67,7 @@ def model_from_config(path: str | None, overrides: list[str]) -> Model:
     for block in model.blocks():  # FSDP's units: each block's parameters no earlier one took
         units.append(float(sum(p.numel() for p in block.parameters() if id(p) not in taken)))
         taken |= {id(p) for p in block.parameters()}
-    n = float(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
+    n = float(count_params(model))
     return Model(f"{cfg.model.name} ({int(n):,} parameters)", n, [u for u in units if u],
                  n - sum(units), lambda micro, mode: activations.config_segments(cfg, micro, mode),
                  cfg, (path, list(overrides)))
@@ -93,7 +88,7 @@ def precision_of(cfg: Config) -> Precision:
     return replace(PRECISIONS[f"{p}-autocast"], **({"reduce": 2} if low_reduce else {}))
 
 
-def plan_of(cfg: Config, label: str, ranks_per_node: int) -> Plan | None:
+def plan_of(cfg: Config, ranks_per_node: int) -> Plan | None:
     """The ideal layout a dtlab strategy corresponds to, for its temporaries and communication;
     None for tensor and pipeline parallelism, which no layout here describes."""
     spec = registry.of(cfg)
@@ -101,7 +96,7 @@ def plan_of(cfg: Config, label: str, ranks_per_node: int) -> Plan | None:
         return None
     offload = bool(getattr(getattr(cfg.strategy, spec.name, None), "cpu_offload", False))
     group = spec.shard_group(cfg, ranks_per_node) if spec.shard_group else None
-    return Plan(spec.ideal_layout(cfg), offload, group, label)
+    return Plan(spec.ideal_layout(cfg), offload, group)
 
 
 def exact_state(cfg: Config, world: int, ranks_per_node: int,
@@ -112,9 +107,8 @@ def exact_state(cfg: Config, world: int, ranks_per_node: int,
     model = registry.of(cfg).memory_model
     if model is None:
         return measure(cfg, world, ranks_per_node, device)
-    numels = [p.numel() for p in {id(p): p for p in meta_model(cfg).parameters()}.values()]
     return importlib.import_module(f"dtlab.strategies.{model}").modelled_state(
-        numels, cfg, world, device)
+        [p.numel() for p in meta_model(cfg).parameters()], cfg, world, device)
 
 
 @dataclass
@@ -158,7 +152,7 @@ def estimate(setup: Setup, token: str) -> dict[str, Any]:
     m, world, rpn = setup.model, setup.world, setup.ranks_per_node
     cfg = strategy_config(setup, token)
     spec = cfg and registry.of(cfg)
-    plan = memory.parse_plan(token, world, rpn) if cfg is None else plan_of(cfg, token, rpn)
+    plan = memory.parse_plan(token, world, rpn) if cfg is None else plan_of(cfg, rpn)
     precision = setup.precision if cfg is None else precision_of(cfg)
     per_rank, source, notes, held = None, IDEAL, [], {}
     if cfg is not None:

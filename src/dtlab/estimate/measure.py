@@ -1,5 +1,4 @@
-"""Measurements: the per-rank state of dtlab's torch strategies, under PyTorch's fake backend
-(what the estimate reports), and activations (what tests and benchmarks check activations.py by).
+"""The per-rank state of dtlab's torch strategies, measured under PyTorch's fake backend.
 
 The state, one rank at a time in this process: a fake process group for that rank (collectives
 return at once and move nothing), the config's model built on the meta device and materialised,
@@ -8,34 +7,24 @@ optimizer step, then the strategy's own `state_bytes`, what summary.json's memor
 after a real run. Values are garbage; shapes, shards, paddings and storages are the wrappers' own,
 and bytes depend on nothing else. Limits: the whole model is held once on the host and run
 (MAX_PARAMS); offload is measured as on a host-only run.
-
-Activations: `saved_bytes`, the distinct new storages autograd keeps for backward (what
-activations.py's `saved` counts); `peak_growth`, the growth of resident memory at a step's peak
-(CPU: VmHWM reset through /proc/self/clear_refs, run with MALLOC_MMAP_THRESHOLD_=65536 so that
-freed blocks leave; CUDA: max_memory_allocated), gradients allocated beforehand.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import re
 import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from dtlab.config import Config, check_world, data_parallel_size, model_parallel_size
 from dtlab.data import spec_for
 from dtlab.errors import DtlabError
-from dtlab.models import build_model, loss_fn
+from dtlab.models import build_model, count_params
 
 RankBytes = dict[str, int]  # param_bytes, grad_bytes, optim_bytes (+ "rank")
 EVERY_RANK = 16  # up to this world size every rank is measured (the tests compare per rank)
@@ -159,21 +148,25 @@ def ranks_to_measure(cfg: Config, world: int, first: list[tuple[int, int]] | Non
     return chosen
 
 
+def one_sample_per_rank(cfg: Config, world: int) -> Config:
+    """`cfg` with a global batch that any world size splits: one sample per rank and micro step
+    (pipelines: one per microbatch). No state byte depends on the batch."""
+    t, s = cfg.train, cfg.strategy
+    per_rank = getattr(getattr(s, s.name, None), "microbatches", 1)
+    return cfg.model_copy(update={"train": t.model_copy(update={
+        "global_batch_size": data_parallel_size(cfg, world) * t.grad_accum_steps * per_rank})})
+
+
 def measure(cfg: Config, world: int, ranks_per_node: int, device: str = "cpu",
             every_rank: bool = False) -> list[RankBytes]:
     """Measured bytes of every rank up to EVERY_RANK, else of those `ranks_to_measure` picks."""
-    s, t = cfg.strategy, cfg.train
-    n = sum(p.numel() for p in {id(p): p for p in meta_model(cfg).parameters()}.values())
+    n = count_params(meta_model(cfg))
     if n > MAX_PARAMS:
         raise NotMeasured(f"{n:,} parameters, more than the {MAX_PARAMS:,} measured in seconds")
-    # What changes no state byte, set so that any world runs: one sample per rank (pipelines:
-    # one per microbatch); no DDP communication hook (they change what travels, and DDP takes
-    # one only)
-    per_rank = getattr(getattr(s, s.name, None), "microbatches", 1)
-    cfg = cfg.model_copy(update={
-        "train": t.model_copy(update={"global_batch_size": data_parallel_size(cfg, world)
-                                      * t.grad_accum_steps * per_rank}),
-        "strategy": s.model_copy(update=dict(ddp=s.ddp.model_copy(update={"comm_hook": "none"})))})
+    # No DDP communication hook: hooks change what travels, not what is held, and DDP takes one only
+    cfg = one_sample_per_rank(cfg, world)
+    ddp = cfg.strategy.ddp.model_copy(update={"comm_hook": "none"})
+    cfg = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"ddp": ddp})})
     try:
         check_world(cfg, world, ranks_per_node)
         first, every = measure_rank(cfg, 0, world, ranks_per_node, torch.device(device))
@@ -185,7 +178,6 @@ def measure(cfg: Config, world: int, ranks_per_node: int, device: str = "cpu",
         raise NotMeasured(str(e)) from None
 
 
-# ---------------------------------------------------------------------------------- activations
 def batch(model_kind: str, spec: Any, micro: int, device: torch.device | str = "cpu",
           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -195,68 +187,3 @@ def batch(model_kind: str, spec: Any, micro: int, device: torch.device | str = "
         x = torch.randn(micro, spec.in_channels, spec.image_size, spec.image_size, generator=g)
         y = torch.randint(0, spec.num_classes, (micro,), generator=g)
     return x.to(device), y.to(device)
-
-
-def precision_context(mode: str, device: torch.device) -> contextlib.AbstractContextManager:
-    autocast = mode == "autocast"
-    return torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-
-
-def checkpoint_blocks(model: nn.Module) -> None:
-    """Per-block activation checkpointing (non-reentrant), on the model's sharding units."""
-    for block in model.blocks():
-        forward = block.forward
-        block.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(forward)
-
-
-def saved_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str) -> int:
-    """Bytes autograd keeps for backward after one forward (distinct storages, new memory only)."""
-    def key(t: torch.Tensor) -> int:
-        return t.untyped_storage().data_ptr()
-    skip = {key(t) for t in (*model.parameters(), *model.buffers(), x, y)}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if key(t) not in skip:
-            kept[key(t)] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            precision_context(mode, x.device):
-        loss_fn(model(x), y)
-    return sum(kept.values())
-
-
-def _status(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text())[1]) * 1024
-
-
-def peak_growth(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str,
-                repeats: int = 3) -> list[int]:
-    """Peak memory growth (bytes) of forward + backward, `repeats` times after two warm-ups."""
-    dev = x.device
-
-    def step() -> None:
-        with precision_context(mode, dev):
-            loss = loss_fn(model(x), y)
-        loss.backward()
-
-    for _ in range(2):  # allocates the gradients, initialises kernels and their workspaces
-        step()
-    out = []
-    for _ in range(repeats):
-        model.zero_grad(set_to_none=False)
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-            base = torch.cuda.memory_allocated(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            step()
-            torch.cuda.synchronize(dev)
-            out.append(torch.cuda.max_memory_allocated(dev) - base)
-        else:
-            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-            base = _status("VmRSS")
-            step()
-            out.append(_status("VmHWM") - base)
-    return out

@@ -66,7 +66,6 @@ class Plan:
     kind: str  # a Kind
     offload: bool = False
     shard_group: int | None = None  # hybrid: ranks per shard group (replicated across groups)
-    label: str = ""
 
     def shards(self, world: int) -> int:
         return self.shard_group or world
@@ -74,8 +73,7 @@ class Plan:
 
 def parse_plan(token: str, world: int, ranks_per_node: int | None = None) -> Plan:
     """`zero3`, `zero2+offload`, `hybrid:8`, `FULL_SHARD`, `fsdp+offload`... -> a Plan."""
-    text = token.strip()
-    base, _, suffix = text.partition("+")
+    base, _, suffix = token.strip().partition("+")
     name, _, arg = base.lower().partition(":")
     kind, bad = ALIASES.get(name), f"--strategies: '{token}'"
     if kind is None or suffix not in ("", "offload"):
@@ -92,7 +90,7 @@ def parse_plan(token: str, world: int, ranks_per_node: int | None = None) -> Pla
     if suffix == "offload" and kind == Kind.REPLICATED:
         raise DtlabError(f"{bad}: a full replica has nothing sharded to offload; fix: use "
                          "zero1+offload, zero2+offload or zero3+offload")
-    return Plan(kind, suffix == "offload", group, text)
+    return Plan(kind, suffix == "offload", group)
 
 
 @dataclass(frozen=True)
