@@ -56,4 +56,3 @@ SPEC = StrategySpec(
     name="ddp", impl="ddp:DDP", about="a full replica per rank, gradients all-reduced in buckets",
     options=DDPOptions, check=check, textbook="ddp", comm_bytes=comm_bytes,
 )
-SPECS = (SPEC,)

@@ -66,4 +66,3 @@ SPEC = StrategySpec(
     extra=("deepspeed", "deepspeed"), check=check, label=label, layout=layout,
     memory_model="deepspeed_memory", master_weights=True,
 )
-SPECS = (SPEC,)

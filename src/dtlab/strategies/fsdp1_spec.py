@@ -71,4 +71,3 @@ SPEC = StrategySpec(
     shard_group=lambda cfg, per_node: cfg.strategy.fsdp1.shard_group_size or per_node
     if cfg.strategy.fsdp1.sharding_strategy == "HYBRID_SHARD" else None,
 )
-SPECS = (SPEC,)

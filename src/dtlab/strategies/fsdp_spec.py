@@ -45,4 +45,3 @@ SPEC = StrategySpec(
     layout=lambda cfg: "zero3" if cfg.strategy.fsdp.reshard_after_forward else "zero2",
     shards_state=True,
 )
-SPECS = (SPEC,)

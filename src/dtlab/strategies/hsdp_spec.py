@@ -57,4 +57,3 @@ SPEC = StrategySpec(
     shard_group=lambda cfg, per_node: cfg.strategy.hsdp.shard_size or per_node,
     layout=lambda cfg: "zero3" if cfg.strategy.hsdp.reshard_after_forward else "zero2",
 )
-SPECS = (SPEC,)

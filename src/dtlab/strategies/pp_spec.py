@@ -85,4 +85,3 @@ SPEC = StrategySpec(
                                               f"a schedule ({', '.join(PP_SCHEDULES)})"), mesh_key=KEY,
     check=check, model_parallel=degree, label=label,
 )
-SPECS = (SPEC,)

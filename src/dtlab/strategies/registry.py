@@ -21,9 +21,10 @@ if TYPE_CHECKING:
 # One description module per strategy family, in the order help texts list them.
 MODULES = ("single_spec", "ddp_spec", "fsdp_spec", "fsdp1_spec", "zero1_spec", "deepspeed_spec",
            "tp_spec", "pp_spec", "hsdp_spec")
-SPECS: dict[str, StrategySpec] = {
+SPECS: dict[str, StrategySpec] = {  # every description a module declares, in its order
     spec.name: spec for module in MODULES
-    for spec in importlib.import_module(f"dtlab.strategies.{module}").SPECS
+    for spec in vars(importlib.import_module(f"dtlab.strategies.{module}")).values()
+    if isinstance(spec, StrategySpec)
 }
 NAMES = tuple(SPECS)
 REFERENCE = "single"  # `compare --verify` checks every strategy against it

@@ -6,4 +6,3 @@ SPEC = StrategySpec(
     name="single", impl="single:Single", about="one process, no wrapper (the reference)",
     one_process=True, textbook="ddp",
 )
-SPECS = (SPEC,)

@@ -56,4 +56,3 @@ FSDP_TP = StrategySpec(
     name="fsdp_tp", impl="tp:FSDPTP", about="FSDP2 across tensor-parallel groups (2-D mesh)",
     mesh_key=KEY, check=check, model_parallel=degree, shards_state=True,
 )
-SPECS = (SPEC, FSDP_TP)

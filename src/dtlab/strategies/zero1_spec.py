@@ -51,4 +51,3 @@ SPEC = StrategySpec(
     options=Zero1Options, check=check, textbook="zero1", layout=lambda cfg: "zero1",
     broadcasts_updates=True,
 )
-SPECS = (SPEC,)
