@@ -191,15 +191,12 @@ def p2p_matrix(ctx: DistContext, nbytes: int, iters: int) -> dict[str, Any]:
                 dist.barrier()
                 if r in (i, j):
                     peer = j if r == i else i
+                    first, then = (dist.send, dist.recv) if r == i else (dist.recv, dist.send)
                     times = []
                     for _ in range(iters + 2):
                         t0 = time.perf_counter()
-                        if r == i:
-                            dist.send(buf, peer)
-                            dist.recv(buf, peer)
-                        else:
-                            dist.recv(buf, peer)
-                            dist.send(buf, peer)
+                        first(buf, peer)
+                        then(buf, peer)
                         ctx.synchronize()
                         times.append((time.perf_counter() - t0) / 2)
                     one_way = statistics.median(times[2:])
