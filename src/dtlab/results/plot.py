@@ -93,11 +93,9 @@ class Figures:
     def save(self, fig: Any, name: str, title: str, xlabel: str, ylabel: str,
              series: list[str]) -> None:
         fig.tight_layout()
-        files = []
-        for ext in ("png", "svg"):
-            path = self.out_dir / f"{name}.{ext}"
-            fig.savefig(path)
-            files.append(path.name)
+        files = [f"{name}.{ext}" for ext in ("png", "svg")]
+        for file in files:
+            fig.savefig(self.out_dir / file)
         self.plt.close(fig)
         self.index.append({"name": name, "title": title, "xlabel": xlabel, "ylabel": ylabel,
                            "series": series, "files": files})
