@@ -103,11 +103,6 @@ def complete_checkpoints(run_dir: Path, warn: bool = True) -> list[tuple[int, Pa
     return sorted(found)
 
 
-def latest(run_dir: Path) -> Path | None:
-    found = complete_checkpoints(run_dir)
-    return found[-1][1] if found else None
-
-
 # ------------------------------------------------------------------------------------ manifest
 def sha256(path: Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
@@ -154,8 +149,8 @@ def check_compatible(manifest: dict[str, Any], config: dict[str, Any], path: Pat
               ("train", "grad_accum_steps"), ("seed", None), ("data", "name"), ("data", "synthetic"),
               ("data", "train_limit")]
     for section, key in checks:
-        a = saved.get(section) if key is None else saved.get(section, {}).get(key)
-        b = config.get(section) if key is None else config.get(section, {}).get(key)
+        a, b = (c.get(section) if key is None else c.get(section, {}).get(key)
+                for c in (saved, config))
         if a != b:
             what = section if key is None else f"{section}.{key}"
             detail = _first_difference(a, b, what)
@@ -174,11 +169,10 @@ def _first_difference(a: Any, b: Any, key: str) -> str:
 
 # ---------------------------------------------------------------------------------- save/load
 def _rng_state(device: torch.device) -> dict[str, str]:
-    state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    states = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
-        cuda = torch.cuda.get_rng_state(device)
-        state["cuda"] = base64.b64encode(cuda.numpy().tobytes()).decode()
-    return state
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in states.items()}
 
 
 def _set_rng_state(state: dict[str, str], device: torch.device) -> None:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from dtlab.compare import compare
 from dtlab.config import check_environment, check_world, load_config, to_yaml, valid_keys
 from dtlab.errors import DtlabError
 
@@ -50,12 +51,6 @@ def cmd_train(args: argparse.Namespace) -> int:
                   args.rdzv_id, args.max_restarts, rdzv_conf=args.rdzv_conf)
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
-    from dtlab.compare import compare
-
-    return compare(args)
-
-
 def cmd_sweep(args: argparse.Namespace) -> int:
     from dtlab.sweeps import run_sweep
 
@@ -86,24 +81,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     write_outputs(Path(args.dir), Path(args.output) if args.output else None,
                   tuple(Path(c) for c in args.comm))
     return 0
-
-
-def cmd_comm(args: argparse.Namespace) -> int:
-    from dtlab.comm.cli import run_comm
-
-    return run_comm(args)
-
-
-def cmd_estimate(args: argparse.Namespace) -> int:
-    from dtlab.estimate.cli import cmd_estimate as run
-
-    return run(args)
-
-
-def cmd_advise(args: argparse.Namespace) -> int:
-    from dtlab.estimate.cli import cmd_advise as run
-
-    return run(args)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -151,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check per-step losses and final parameters against `single`")
     p.add_argument("--tolerance", type=float, default=1e-5, help="largest relative deviation allowed")
     p.add_argument("overrides", nargs="*")
-    p.set_defaults(func=cmd_compare)
+    p.set_defaults(func=compare)
 
     p = sub.add_parser("sweep", help="run every combination of a matrix, locally or on SLURM")
     p.add_argument("spec", help="sweep spec YAML (base config, overrides, matrix)")
@@ -179,12 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("comm", help="collective benchmarks (nccl-tests format) and cost model")
-    from dtlab.comm.cli import add_comm_arguments
+    from dtlab.comm.cli import add_comm_arguments, run_comm
 
     add_comm_arguments(p)
-    p.set_defaults(func=cmd_comm)
+    p.set_defaults(func=run_comm)
 
-    from dtlab.estimate.cli import add_advise_arguments, add_estimate_arguments
+    from dtlab.estimate.cli import (
+        add_advise_arguments,
+        add_estimate_arguments,
+        cmd_advise,
+        cmd_estimate,
+    )
 
     p = sub.add_parser("estimate", help="per-rank memory and communication of a setup, by arithmetic")
     add_estimate_arguments(p)

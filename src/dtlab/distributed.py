@@ -240,45 +240,32 @@ def distributed(
     dev = pick_device(device, env.local_rank, env.launcher)
     n_threads = threads or max(1, cpus_available() // env.local_world_size)
     torch.set_num_threads(n_threads)
-    group_backend = None
-    if env.world_size > 1 or need_group:
-        group_backend = pick_backend(backend, dev)
+    group_backend = pick_backend(backend, dev) if env.world_size > 1 or need_group else None
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
         if group_backend is not None:
             timeout = datetime.timedelta(seconds=timeout_s)
-            if env.launcher == "none":  # a group of one, for wrappers that insist on a group
-                dist.init_process_group(
-                    group_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
-                    device_id=dev if group_backend == "nccl" else None,
-                )
+            if env.launcher == "none":  # a group of one (rank 0 of 1), for wrappers that insist
+                store = dist.HashStore()
             else:
                 # Export the variables for env:// (and for libraries that read them).
-                for key, value in (
-                    ("MASTER_ADDR", env.master_addr),
-                    ("MASTER_PORT", env.master_port),
-                    ("RANK", env.rank),
-                    ("WORLD_SIZE", env.world_size),
-                    ("LOCAL_RANK", env.local_rank),
-                    ("LOCAL_WORLD_SIZE", env.local_world_size),
-                ):
-                    if value is not None:
-                        os.environ[key] = str(value)
+                exported = {"MASTER_ADDR": env.master_addr, "MASTER_PORT": env.master_port,
+                            "RANK": env.rank, "WORLD_SIZE": env.world_size,
+                            "LOCAL_RANK": env.local_rank, "LOCAL_WORLD_SIZE": env.local_world_size}
+                os.environ.update({k: str(v) for k, v in exported.items() if v is not None})
                 store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
                 # After a restart, keys of the previous attempt (peer addresses of dead processes)
                 # must not be read: gloo then tries a dead port until the timeout ("Gloo
                 # connectFullMesh failed ... Connection refused", seen here). One namespace per attempt.
                 attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-                dist.init_process_group(
-                    group_backend,
-                    store=dist.PrefixStore(f"dtlab/attempt{attempt}", store),
-                    rank=env.rank,
-                    world_size=env.world_size,
-                    timeout=timeout,
-                    # NCCL: bind the group to this rank's GPU (eager init, no device guessing).
-                    device_id=dev if group_backend == "nccl" else None,
-                )
+                store = dist.PrefixStore(f"dtlab/attempt{attempt}", store)
+            dist.init_process_group(
+                group_backend, store=store, rank=env.rank, world_size=env.world_size,
+                timeout=timeout,
+                # NCCL: bind the group to this rank's GPU (eager init, no device guessing).
+                device_id=dev if group_backend == "nccl" else None,
+            )
         yield DistContext(env=env, device=dev, backend=group_backend, threads=n_threads)
     finally:
         if destroy and dist.is_available() and dist.is_initialized():

@@ -149,7 +149,6 @@ class MetricsLog:
             return 0
 
     def advance(self, step: int, loss: float | None = None) -> None:
-        """Step `step` is done."""
         if self.progress is not None:
             self.progress.seek(0)
             self.progress.write(f"{step:>12d}\n")

@@ -55,7 +55,7 @@ def sizes(lo: int, hi: int, factor: float) -> list[int]:
     out, s = [], lo
     while s <= hi:
         out.append(s)
-        s = int(s * factor) if int(s * factor) > s else s + 1
+        s = max(int(s * factor), s + 1)
     return out
 
 
@@ -191,15 +191,12 @@ def p2p_matrix(ctx: DistContext, nbytes: int, iters: int) -> dict[str, Any]:
                 dist.barrier()
                 if r in (i, j):
                     peer = j if r == i else i
+                    first, then = (dist.send, dist.recv) if r == i else (dist.recv, dist.send)
                     times = []
                     for _ in range(iters + 2):
                         t0 = time.perf_counter()
-                        if r == i:
-                            dist.send(buf, peer)
-                            dist.recv(buf, peer)
-                        else:
-                            dist.recv(buf, peer)
-                            dist.send(buf, peer)
+                        first(buf, peer)
+                        then(buf, peer)
                         ctx.synchronize()
                         times.append((time.perf_counter() - t0) / 2)
                     one_way = statistics.median(times[2:])
@@ -213,12 +210,11 @@ def p2p_matrix(ctx: DistContext, nbytes: int, iters: int) -> dict[str, Any]:
 
 
 def write_outputs(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    for path in (args.json, args.csv):
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     if args.csv:
+        Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
         flat = []
         for row in rows:
             if "size_bytes" not in row:

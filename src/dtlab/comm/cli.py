@@ -30,11 +30,10 @@ def run_comm(args: argparse.Namespace) -> int:
     from dtlab.comm.bench import validate
 
     validate(args)
-    forwarded = ["--op", args.op, "--min-bytes", str(args.min_bytes), "--max-bytes",
-                 str(args.max_bytes), "--factor", str(args.factor), "--dtype", args.dtype,
-                 "--iters", str(args.iters), "--warmup", str(args.warmup), "--p2p-bytes",
-                 str(args.p2p_bytes), "--timeout", str(args.timeout), "--device", args.device,
-                 "--backend", args.backend, "--corrupt-rank", str(args.corrupt_rank)]
+    forwarded = []
+    for name in ("op", "min_bytes", "max_bytes", "factor", "dtype", "iters", "warmup", "p2p_bytes",
+                 "timeout", "device", "backend", "corrupt_rank"):
+        forwarded += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     forwarded += ["--check"] * args.check + ["--p2p"] * args.p2p
     forwarded += ["--json", str(Path(args.json).resolve())] if args.json else []
     forwarded += ["--csv", str(Path(args.csv).resolve())] if args.csv else []

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from dtlab.comm.model import ring_terms
+
 # torch 2.13 renamed the tensor forms; older releases only have the *_into_tensor/_tensor names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -28,11 +30,7 @@ TOTAL_SIZE_OPS = ("all_gather", "reduce_scatter", "all_to_all")  # S counts ever
 
 
 def busbw_factor(op: str, n: int) -> float:
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in TOTAL_SIZE_OPS:
-        return (n - 1) / n
-    return 1.0  # broadcast, reduce, send_recv
+    return ring_terms(op, n)[1]  # the ring's factor on S beta: the data each link carries
 
 
 def message_bytes(op: str, count: int, type_size: int, n: int) -> int:
@@ -41,8 +39,7 @@ def message_bytes(op: str, count: int, type_size: int, n: int) -> int:
 
 def count_for(op: str, size_bytes: int, type_size: int, n: int) -> int:
     """Elements per rank for a requested S (at least one)."""
-    per = type_size * (n if op in TOTAL_SIZE_OPS else 1)
-    return max(1, size_bytes // per)
+    return max(1, size_bytes // message_bytes(op, 1, type_size, n))
 
 
 def pattern(rank: int, numel: int, dtype: torch.dtype, device: torch.device,

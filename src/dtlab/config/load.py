@@ -109,10 +109,9 @@ def valid_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
         subs = [ann] if isinstance(ann, type) and issubclass(ann, BaseModel) else []
         if name == "model" and model is Config:
             subs = [CNNConfig, ResNetConfig, GPTConfig]
-        if subs:
-            for sub in subs:
-                keys += valid_keys(sub, f"{prefix}{name}.")
-        else:
+        for sub in subs:
+            keys += valid_keys(sub, f"{prefix}{name}.")
+        if not subs:
             keys.append(prefix + name)
     return sorted(set(keys))
 

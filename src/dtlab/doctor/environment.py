@@ -89,16 +89,15 @@ def ranks(env: Mapping[str, str], bad: set) -> list[Check]:
                         f"env:// initialisation needs both; dtlab ignores a lone {have} and runs "
                         "one process",
                         f"set both (torchrun and srun do it for you) or unset {have}"))
-    elif rank is not None and not {"RANK", "WORLD_SIZE"} & bad and int(rank) >= int(world):
-        out.append(fail("ranks", f"RANK={rank} but WORLD_SIZE={world}",
-                        "ranks count from 0 to WORLD_SIZE-1; a hand-written launch script is off "
-                        "by one or reuses another job's values", "let torchrun or srun set them"))
-    local, local_world = env.get("LOCAL_RANK"), env.get("LOCAL_WORLD_SIZE")
-    if (local is not None and local_world is not None
-            and not {"LOCAL_RANK", "LOCAL_WORLD_SIZE"} & bad and int(local) >= int(local_world)):
-        out.append(fail("ranks", f"LOCAL_RANK={local} but LOCAL_WORLD_SIZE={local_world}",
-                        "local ranks count from 0 to LOCAL_WORLD_SIZE-1 on every node",
-                        "let torchrun or srun set them"))
+    for index, size, cause in (
+            ("RANK", "WORLD_SIZE", "ranks count from 0 to WORLD_SIZE-1; a hand-written launch "
+             "script is off by one or reuses another job's values"),
+            ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "local ranks count from 0 to LOCAL_WORLD_SIZE-1 on "
+             "every node")):
+        i, n = env.get(index), env.get(size)
+        if i is not None and n is not None and not {index, size} & bad and int(i) >= int(n):
+            out.append(fail("ranks", f"{index}={i} but {size}={n}", cause,
+                            "let torchrun or srun set them"))
     for name, other in (("MASTER_ADDR", "MASTER_PORT"), ("MASTER_PORT", "MASTER_ADDR")):
         if name in env and other not in env and "SLURM_JOB_ID" not in env:
             out.append(warn("master_vars", f"{name} is set but {other} is not",

@@ -25,7 +25,7 @@ def is_loopback(address: str) -> bool:
 def hostname(env: Mapping[str, str]) -> Check:
     name = socket.gethostname()
     try:
-        addrs = sorted({a[4][0] for a in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)})
+        addrs = _resolve(name)
     except OSError as e:
         return warn("hostname", f"{name} does not resolve ({e.strerror or e})",
                     "gloo finds this node's address through its name; unresolved, it falls back to "
@@ -49,13 +49,16 @@ def hostname(env: Mapping[str, str]) -> Check:
               "GLOO_SOCKET_IFNAME)", addresses=addrs)
 
 
+def _resolve(host: str) -> list[str]:
+    return sorted({a[4][0] for a in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
+
+
 def _is_remote(host: str) -> bool:
     """Resolves, and to no address of this host (an unresolvable name is the master check's)."""
     try:
-        addrs = {a[4][0] for a in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+        return not any(_is_local(a) for a in _resolve(host))
     except OSError:
         return False
-    return not any(_is_local(a) for a in addrs)
 
 
 def loopback() -> Check:
@@ -86,9 +89,7 @@ def loopback() -> Check:
 
 def free_port() -> Check:
     try:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
+        port = _a_free_port()
     except OSError as e:
         return fail("free_port", f"the OS gave no free port: {e}",
                     "the ephemeral port range is exhausted or networking is disabled",
@@ -104,7 +105,7 @@ def master_endpoint(env: Mapping[str, str]) -> Check:
     port_text = env.get("MASTER_PORT", "")
     where = f"MASTER_ADDR={addr}" + (f" MASTER_PORT={port_text}" if port_text else "")
     try:
-        addrs = sorted({a[4][0] for a in socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)})
+        addrs = _resolve(addr)
     except OSError as e:
         return fail("master", f"{where}: {addr} does not resolve ({e.strerror or e})",
                     "a typo, or a name known only inside the cluster (its DNS or /etc/hosts)",

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -220,9 +221,7 @@ def topology_from(text: str) -> Check:
     links = parse_topology(text)
     if not links:
         return ok("topology", "fewer than 2 GPUs: no GPU-to-GPU links")
-    kinds: dict[str, int] = {}
-    for link in links.values():
-        kinds[link] = kinds.get(link, 0) + 1
+    kinds = Counter(links.values())
     found = f"{len(links)} GPU pairs: " + ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items()))
     data = {"links": {f"{a}-{b}": link for (a, b), link in links.items()}}
     if set(kinds) == {"SYS"}:

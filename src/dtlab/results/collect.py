@@ -47,14 +47,12 @@ def row_from_run(run_dir: Path, root: Path) -> dict[str, Any]:
         status=rec.get("status", "done" if s else "unknown"),
         reason=rec.get("reason", ""),
         peak_memory_bytes=max(peak) if peak else None,
-        peak_reserved_bytes=max(mem["peak_reserved_bytes"]) if mem.get("peak_reserved_bytes") else None,
-        param_bytes=max(mem["param_bytes"]) if mem.get("param_bytes") else None,
-        grad_bytes=max(mem["grad_bytes"]) if mem.get("grad_bytes") else None,
-        optim_bytes=max(mem["optim_bytes"]) if mem.get("optim_bytes") else None,
         state_bytes=max(state) if state else None,
         key=rec.get("key", ""),
         source=str(run_dir.relative_to(root)) if run_dir != root else ".",
     )
+    for k in ("peak_reserved_bytes", "param_bytes", "grad_bytes", "optim_bytes"):  # the largest rank
+        row[k] = max(mem[k]) if mem.get(k) else None
     pipe = s.get("pipeline")
     if pipe:  # strategy pp: the measured bubble next to the theory
         row.update({f"pp_{k}": pipe[k] for k in ("microbatches", "stages_per_rank",

@@ -17,8 +17,7 @@ def _num(r: dict[str, Any], key: str) -> float | None:
 
 def _rest(r: dict[str, Any]) -> str:
     """What else the run varied besides the strategy ("" when nothing)."""
-    series = str(r.get("series") or "")
-    return series.partition(", ")[2]
+    return str(r.get("series") or "").partition(", ")[2]
 
 
 def _shards(r: dict[str, Any]) -> bool:

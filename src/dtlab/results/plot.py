@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +32,21 @@ def _pyplot() -> Any:
     return plt
 
 
-def series_points(rows: list[dict[str, Any]], column: str) -> dict[str, list[tuple[float, float]]]:
-    """{series: [(ranks, value), ...]} over finished runs with a number in `column`."""
+def points(rows: list[dict[str, Any]], x_key: str, y_key: str,
+           label: Callable[[dict[str, Any]], str]) -> dict[str, list[tuple[float, float]]]:
+    """{label: [(x, y), ...]} over finished rows with a number in both columns."""
     out: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for r in rows:
-        x, y = r.get("world_size"), r.get(column)
+        x, y = r.get(x_key), r.get(y_key)
         if r.get("status") in (None, "done") and isinstance(x, (int, float)) and isinstance(y, (int, float)):
-            out[str(r.get("series") or r.get("strategy") or "run")].append((x, y))
+            out[label(r)].append((x, y))
     return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def series_points(rows: list[dict[str, Any]], column: str) -> dict[str, list[tuple[float, float]]]:
+    """{series: [(ranks, value), ...]}"""
+    return points(rows, "world_size", column,
+                  lambda r: str(r.get("series") or r.get("strategy") or "run"))
 
 
 def scaling(points: list[tuple[float, float]]) -> list[tuple[float, float, float]]:
@@ -85,11 +93,9 @@ class Figures:
     def save(self, fig: Any, name: str, title: str, xlabel: str, ylabel: str,
              series: list[str]) -> None:
         fig.tight_layout()
-        files = []
-        for ext in ("png", "svg"):
-            path = self.out_dir / f"{name}.{ext}"
-            fig.savefig(path)
-            files.append(path.name)
+        files = [f"{name}.{ext}" for ext in ("png", "svg")]
+        for file in files:
+            fig.savefig(self.out_dir / file)
         self.plt.close(fig)
         self.index.append({"name": name, "title": title, "xlabel": xlabel, "ylabel": ylabel,
                            "series": series, "files": files})
@@ -134,18 +140,11 @@ def plot_results(rows: list[dict[str, Any]], out_dir: Path,
 
 def plot_busbw(f: Figures, comm_rows: list[dict[str, Any]]) -> None:
     """Bus bandwidth vs message size, one line per collective (and rank count)."""
-    data: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for r in comm_rows:
-        size, busbw = r.get("size_bytes"), r.get("busbw_gbps")
-        if isinstance(size, (int, float)) and isinstance(busbw, (int, float)):
-            label = str(r.get("op", "collective"))
-            if r.get("world_size"):
-                label += f" x{r['world_size']}"
-            data[label].append((size, busbw))
+    data = points(comm_rows, "size_bytes", "busbw_gbps", lambda r: str(r.get("op", "collective"))
+                  + (f" x{r['world_size']}" if r.get("world_size") else ""))
     if not data:
         raise DtlabError("the collective results have no size_bytes/busbw_gbps columns; fix: pass "
                          "a CSV written by `dtlab comm --csv`")
-    data = {k: sorted(v) for k, v in sorted(data.items())}
     fig, ax = f.plt.subplots(figsize=(6.4, 4.2))
     for label, pts in data.items():
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label)

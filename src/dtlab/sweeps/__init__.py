@@ -29,7 +29,15 @@ class Progress:
         print(f"[done {self.done} | failed {self.failed} | running {self.running} | left {left}] "
               f"{run.label}: {what}", flush=True)
 
-    def finish(self, run: PlannedRun, status: str, reason: str, seconds: float) -> None:
+    def start(self, run: PlannedRun, what: str, **record: object) -> None:
+        update_record(run.run_dir, status="running", started_at=now(), **record)
+        self.running += 1
+        self.event(run, what)
+
+    def finish(self, run: PlannedRun, status: str, reason: str, code: int | None,
+               seconds: float) -> None:
+        update_record(run.run_dir, status=status, reason=reason, returncode=code,
+                      finished_at=now(), duration_s=round(seconds, 2))
         self.running = max(0, self.running - 1)
         if status == "done":
             self.done += 1
@@ -73,15 +81,10 @@ def run_sweep(spec_path: str, launcher: str, dry_run: bool, out: str | None,
     if launcher == "local":
         for p in todo:
             cmd = command(p.run_dir / "config.yaml", p.nproc_per_node)
-            update_record(p.run_dir, status="running", command=" ".join(cmd), started_at=now())
-            progress.running += 1
-            progress.event(p, "running")
+            progress.start(p, "running", command=" ".join(cmd))
             t0 = time.monotonic()
             status, reason, code = run_local(cmd, p.run_dir, timeout)
-            seconds = time.monotonic() - t0
-            update_record(p.run_dir, status=status, reason=reason, returncode=code,
-                          finished_at=now(), duration_s=round(seconds, 2))
-            progress.finish(p, status, reason, seconds)
+            progress.finish(p, status, reason, code, time.monotonic() - t0)
     else:
         run_on_slurm(todo, spec, timeout, progress)
     return finish(out_dir, valid)
@@ -114,9 +117,7 @@ def run_on_slurm(todo: list[PlannedRun], spec: SweepSpec, timeout: float,
             state = active.get(job)
             if state == "RUNNING" and job not in started:
                 started[job] = time.monotonic()
-                progress.running += 1
-                update_record(p.run_dir, status="running", started_at=now())
-                progress.event(p, f"running (job {job})")
+                progress.start(p, f"running (job {job})")
             if state and not (job in started and time.monotonic() - started[job] > timeout):
                 continue
             if state:  # still running past its timeout
@@ -124,10 +125,7 @@ def run_on_slurm(todo: list[PlannedRun], spec: SweepSpec, timeout: float,
                 status, reason, code = "timeout", f"exceeded the {timeout:g} s timeout; job {job} cancelled", None
             else:
                 status, reason, code = judge(p, job)
-            seconds = time.monotonic() - started.get(job, submitted)
-            update_record(p.run_dir, status=status, reason=reason, returncode=code,
-                          finished_at=now(), duration_s=round(seconds, 2))
-            progress.finish(p, status, reason, seconds)
+            progress.finish(p, status, reason, code, time.monotonic() - started.get(job, submitted))
             del jobs[job]
 
 

@@ -8,8 +8,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-FINAL = ("done", "failed", "timeout")
-
 
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
