@@ -9,8 +9,7 @@ from pydantic import NonNegativeInt, PositiveInt
 
 from dtlab.errors import ConfigError
 from dtlab.options import Section
-from dtlab.strategies.mesh_spec import check_mesh
-from dtlab.strategies.spec import StrategySpec
+from dtlab.strategies.spec import StrategySpec, check_mesh
 
 if TYPE_CHECKING:
     from dtlab.config import Config

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dtlab.errors import ConfigError
+
 if TYPE_CHECKING:
     from dtlab.config import Config
     from dtlab.options import Section
@@ -75,3 +77,31 @@ def sharded_data_parallel(p: float, g: float, n: int, gathers: int) -> float:
     """ZeRO-3/FSDP per step: `gathers` all-gathers of the parameters, a reduce-scatter of the
     gradients, each (n - 1)/n of the full size per rank."""
     return (n - 1) / n * (gathers * p + g)
+
+
+def check_mesh(cfg: Config, world_size: int, degree: int, key: str) -> None:
+    """What every model-parallel strategy needs: a GPT, a degree that divides the world, and
+    none of the features these strategies do not support."""
+    name, m, t = cfg.strategy.name, cfg.model, cfg.train
+    if m.name != "gpt":
+        raise ConfigError(
+            f"strategy.name={name} splits a GPT's layers, not model.name={m.name}; "
+            "fix: use model.name=gpt, or a data-parallel strategy (ddp, fsdp, fsdp1)"
+        )
+    if degree > world_size or world_size % degree:
+        raise ConfigError(
+            f"{key}={degree} does not divide world_size={world_size} into a mesh; "
+            f"fix: set {key} to a divisor of {world_size} (0 = every rank)"
+        )
+    if m.tie_weights:
+        raise ConfigError(
+            f"model.tie_weights with strategy.name={name} is not supported (the embedding and "
+            "the head are split differently); fix: set model.tie_weights=false"
+        )
+    if t.compile or t.precision == "fp16" or cfg.run.comm_breakdown:
+        what = ("train.compile" if t.compile else
+                "train.precision=fp16" if t.precision == "fp16" else "run.comm_breakdown")
+        raise ConfigError(
+            f"{what} is not supported with strategy.name={name}; fix: turn it off "
+            "(bf16 works for precision)"
+        )
