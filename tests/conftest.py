@@ -1,15 +1,22 @@
-"""Shared helpers: run the real CLI in a subprocess and read what a run wrote."""
+"""Shared helpers: run the real CLI (in a subprocess, or in this process where no process group is
+needed), train several runs in one real gloo process group, and read what a run wrote."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shlex
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import ranks
 
 from dtlab.compare import loss_deviation, read_run
 
@@ -21,6 +28,31 @@ CONFIGS = ROOT / "configs"
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+def _pin_xdist_worker() -> None:
+    """Give each pytest-xdist worker its own share of the cores (inherited by every process it
+    starts). A dtlab rank sets its threads to the cores it may use / ranks per node; unpinned,
+    a 1-rank run on a 2-core machine starts 2 OpenMP threads while the other worker keeps the
+    second core busy, and OpenMP's barrier then waits on a descheduled thread: steps measured
+    5x slower (0.36 s instead of 0.075 s for the quick CNN). Pinned, every rank runs 1 thread per
+    core it owns. DTLAB_TEST_NO_PIN=1 turns this off."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2 or os.environ.get("DTLAB_TEST_NO_PIN") == "1":
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < count:
+        return
+    share = cpus[int(worker[2:]) % count::count]
+    os.sched_setaffinity(0, share)
+    import torch
+
+    torch.set_num_threads(len(share))
+
+
+_pin_xdist_worker()
+
+
+# ------------------------------------------------------------------------------ the CLI
 def cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None,
         cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """`dtlab ARGS` as a user runs it (python -m dtlab), capturing its output."""
@@ -30,15 +62,111 @@ def cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None,
     )
 
 
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _with_fds_captured(fn: Callable[[], int]) -> tuple[int, str, str]:
+    """fn()'s result and what was written to fds 1 and 2 meanwhile, by this process (through
+    sys.stdout/err) and by the processes it started (which inherit the fds)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved_fds, saved_streams = (os.dup(1), os.dup(2)), (sys.stdout, sys.stderr)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            with open(1, "w", closefd=False, buffering=1, errors="replace") as sys.stdout, \
+                    open(2, "w", closefd=False, buffering=1, errors="replace") as sys.stderr:
+                result = fn()
+        finally:
+            sys.stdout, sys.stderr = saved_streams
+            for fd, saved in zip((1, 2), saved_fds, strict=True):
+                os.dup2(saved, fd)
+                os.close(saved)
+        out.seek(0)
+        err.seek(0)
+        return result, out.read().decode(errors="replace"), err.read().decode(errors="replace")
+
+
+def dtlab(*args: str, cwd: Path | None = None,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`dtlab ARGS` inside this process: dtlab.cli.main(ARGS), its exit code and output (fds 1
+    and 2, so the output of the workers a multi-rank command starts is included).
+
+    What the console script does besides main() is distributed.leave(), which only matters after
+    a process group: use it for commands that start none here (1-rank `single` runs, validation
+    errors, launches, compare/sweep, which start their runs as processes, estimate, advise, ...).
+    The working directory, environment and signal handlers are restored afterwards (a launch
+    sets OMP_NUM_THREADS, torch elastic installs handlers)."""
+    from dtlab.cli import main
+
+    def run() -> int:
+        try:
+            return main(list(args))
+        except SystemExit as e:  # argparse: bad usage (2) or --help (0)
+            return e.code if isinstance(e.code, int) else 1
+
+    environ, cwd_before = dict(os.environ), os.getcwd()
+    handlers = {s: signal.getsignal(s) for s in _SIGNALS}
+    os.environ.update(env or {})
+    os.chdir(cwd or ROOT)
+    try:
+        code, stdout, stderr = _with_fds_captured(run)
+    finally:
+        os.chdir(cwd_before)
+        os.environ.clear()
+        os.environ.update(environ)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    return subprocess.CompletedProcess(["dtlab", *args], code, stdout, stderr)
+
+
+def runs_in_process(overrides: tuple[str, ...] | list[str], config: str | None = None) -> bool:
+    """A 1-rank run trains in this process when it starts no process group (strategy single)."""
+    from dtlab.config import load_config
+
+    return load_config(config, list(overrides)).strategy.name == "single"
+
+
 def train(run_dir: Path, *overrides: str, nproc: int = 1, config: str | None = None,
           timeout: float = 240) -> dict:
-    """Run `dtlab train`, assert success, return its summary."""
-    args = ["train", "--nproc-per-node", str(nproc)]
-    args += ["--config", config] if config else []
+    """`dtlab train --nproc-per-node NPROC`, assert success, return its summary. A 1-rank
+    `single` run trains in this process (no process group: only the interpreter start differs),
+    others on real ranks started by tests/ranks.py (the workers' entry point and a real gloo
+    group, without torch elastic's agent and the imports of fresh interpreters)."""
+    args = ["--config", config] if config else []
     args += [*overrides, f"run.dir={run_dir}", "run.log_every=1", "run.progress=false"]
-    proc = cli(*args, timeout=timeout)
+    if nproc == 1 and runs_in_process(overrides, config):
+        proc = dtlab("train", *args)
+    else:
+        proc = ranks.train(nproc, *args, timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads((run_dir / "summary.json").read_text())
+
+
+class _Launches:
+    """Stands in for the subprocess module inside dtlab.compare: each run it starts,
+    `python -m dtlab train --nproc-per-node N ARGS`, runs as ranks.start(N, ARGS)."""
+
+    DEVNULL = subprocess.DEVNULL
+
+    @staticmethod
+    def run(cmd: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        assert cmd[1:5] == ["-m", "dtlab", "train", "--nproc-per-node"], cmd
+        proc = ranks.start(int(cmd[5]), cmd[6:])
+        return subprocess.CompletedProcess(cmd, proc.returncode, proc.stdout, proc.stderr)
+
+
+@contextlib.contextmanager
+def fast_launches() -> Iterator[None]:
+    """`dtlab compare` starting its runs through tests/ranks.py: its specs, table, deviations and
+    verdict are its own, its runs real ranks in real gloo groups. (The guide runs compare as
+    typed, launches included.)"""
+    import dtlab.compare
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dtlab.compare, "subprocess", _Launches)
+        yield
 
 
 def step_losses(run_dir: Path) -> list[float]:
@@ -54,6 +182,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def split_command(line: str) -> list[str] | None:
+    """The arguments of a plain `dtlab ...` command line, None for anything needing a shell."""
+    if any(c in line for c in "$|&;<>`()*?~") or not line.startswith("dtlab "):
+        return None
+    return shlex.split(line)[1:]
 
 
 @pytest.fixture(scope="session")
@@ -77,7 +212,7 @@ def local_sweep(session_dir: Path) -> tuple[Path, subprocess.CompletedProcess[st
     spec = session_dir / "sweep.yaml"
     spec.write_text(LOCAL_SWEEP.format(base=CONFIGS / "quick.yaml"))
     out = session_dir / "sweep"
-    proc = cli("sweep", str(spec), "--out", str(out), timeout=600)
+    proc = dtlab("sweep", str(spec), "--out", str(out))  # each run is a `dtlab train` process
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
 
