@@ -88,16 +88,34 @@ def _with_fds_captured(fn: Callable[[], int]) -> tuple[int, str, str]:
         return result, out.read().decode(errors="replace"), err.read().decode(errors="replace")
 
 
+def in_process(fn: Callable[[], int], cwd: Path | None = None, env: dict[str, str] | None = None,
+               args: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """fn() in this process as if it were a command: its result as exit code and its output (fds
+    1 and 2, so the output of worker processes it starts is included). The working directory,
+    environment and signal handlers are restored afterwards (a launch sets OMP_NUM_THREADS,
+    torch elastic installs handlers)."""
+    environ, cwd_before = dict(os.environ), os.getcwd()
+    handlers = {s: signal.getsignal(s) for s in _SIGNALS}
+    os.environ.update(env or {})
+    os.chdir(cwd or ROOT)
+    try:
+        code, stdout, stderr = _with_fds_captured(fn)
+    finally:
+        os.chdir(cwd_before)
+        os.environ.clear()
+        os.environ.update(environ)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    return subprocess.CompletedProcess(args or [], code, stdout, stderr)
+
+
 def dtlab(*args: str, cwd: Path | None = None,
           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`dtlab ARGS` inside this process: dtlab.cli.main(ARGS), its exit code and output (fds 1
-    and 2, so the output of the workers a multi-rank command starts is included).
+    """`dtlab ARGS` inside this process: dtlab.cli.main(ARGS), its exit code and output.
 
     What the console script does besides main() is distributed.leave(), which only matters after
     a process group: use it for commands that start none here (1-rank `single` runs, validation
-    errors, launches, compare/sweep, which start their runs as processes, estimate, advise, ...).
-    The working directory, environment and signal handlers are restored afterwards (a launch
-    sets OMP_NUM_THREADS, torch elastic installs handlers)."""
+    errors, launches, compare/sweep, which start their runs as processes, estimate, advise, ...)."""
     from dtlab.cli import main
 
     def run() -> int:
@@ -106,19 +124,7 @@ def dtlab(*args: str, cwd: Path | None = None,
         except SystemExit as e:  # argparse: bad usage (2) or --help (0)
             return e.code if isinstance(e.code, int) else 1
 
-    environ, cwd_before = dict(os.environ), os.getcwd()
-    handlers = {s: signal.getsignal(s) for s in _SIGNALS}
-    os.environ.update(env or {})
-    os.chdir(cwd or ROOT)
-    try:
-        code, stdout, stderr = _with_fds_captured(run)
-    finally:
-        os.chdir(cwd_before)
-        os.environ.clear()
-        os.environ.update(environ)
-        for s, h in handlers.items():
-            signal.signal(s, h)
-    return subprocess.CompletedProcess(["dtlab", *args], code, stdout, stderr)
+    return in_process(run, cwd, env, ["dtlab", *args])
 
 
 def runs_in_process(overrides: tuple[str, ...] | list[str], config: str | None = None) -> bool:

@@ -33,6 +33,7 @@ from pathlib import Path
 PRELOAD = ["dtlab.train", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint",
            "torch.nn.parallel", "safetensors.torch"]
 _CTX = multiprocessing.get_context("forkserver")
+_CTX.set_forkserver_preload(PRELOAD)  # (the forkserver starts on first use, once per process)
 
 
 def _rank(target: Callable[[list[str]], int], argv: list[str], environ: dict[str, str], cwd: str,
@@ -64,7 +65,6 @@ def start(nproc: int, argv: list[str], target: Callable[[list[str]], int] = _tra
     runs). Returns the exit code (dtlab's launcher rules) and the ranks' output, rank by rank."""
     from dtlab.launch import report_failures
 
-    _CTX.set_forkserver_preload(PRELOAD)
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         procs = []
