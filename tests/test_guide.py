@@ -3,6 +3,10 @@
 Commands are the lines of ```bash blocks (a trailing backslash continues a line; `# exit N` at the
 end says the command is expected to fail with that code). Each chapter runs in its own directory
 holding the repository's configs/ and scripts/, so that relative paths work as in a fresh clone.
+A plain `dtlab ...` line runs what the console script runs, dtlab.cli.main(ARGS), inside the
+test's process (its exit code and all output, the launched workers' included: conftest.dtlab);
+multi-rank commands still start their workers through torch elastic, as typed. Every other line
+(torchrun, bash scripts, sbatch, python, shell syntax) runs through bash.
 After a chapter's commands, the numbers its text quotes are checked against what they produced
 (CHECKS below): a change in behaviour that makes the guide wrong fails here.
 """
@@ -19,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, max_rel_dev, step_losses
+from conftest import ROOT, dtlab, max_rel_dev, split_command, step_losses
 
 GUIDE = ROOT / "docs" / "guide"
 BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
@@ -224,8 +228,12 @@ def test_every_command_of_the_chapter_runs(chapter: str, tmp_path: Path) -> None
     cmds = commands(GUIDE / chapter)
     assert cmds, f"{chapter} quotes no command"
     for cmd, expected in cmds:
-        proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=600)
+        argv = split_command(cmd)
+        if argv is not None:
+            proc = dtlab(*argv, cwd=tmp_path, env={"PATH": env["PATH"]})
+        else:
+            proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True,
+                                  text=True, timeout=600)
         outputs[cmd] = proc.stdout + proc.stderr
         assert proc.returncode == expected, f"{cmd}\nexit {proc.returncode}\n{outputs[cmd][-3000:]}"
     if chapter in CHECKS:
