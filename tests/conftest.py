@@ -4,6 +4,8 @@ needed), train several runs in one real gloo process group, and read what a run 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import io
 import json
 import os
 import shlex
@@ -150,28 +152,60 @@ def train(run_dir: Path, *overrides: str, nproc: int = 1, config: str | None = N
     return json.loads((run_dir / "summary.json").read_text())
 
 
-class _Launches:
-    """Stands in for the subprocess module inside dtlab.compare: each run it starts,
-    `python -m dtlab train --nproc-per-node N ARGS`, runs as ranks.start(N, ARGS)."""
+def _run_command(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """`python -m dtlab train --nproc-per-node N ARGS`, as compare and sweeps start it, on
+    ranks.start(N, ARGS)."""
+    assert cmd[1:5] == ["-m", "dtlab", "train", "--nproc-per-node"], cmd
+    return ranks.start(int(cmd[5]), cmd[6:], timeout=timeout)
 
-    DEVNULL = subprocess.DEVNULL
+
+class _Popen:
+    """What the local sweep runner uses of subprocess.Popen: the run happens in wait()."""
+
+    def __init__(self, cmd: list[str], stdout: io.TextIOBase, **_: object) -> None:
+        self.cmd, self.log, self.returncode = cmd, stdout, None
+
+    def wait(self, timeout: float | None = None) -> int:
+        proc = _run_command(self.cmd, timeout or 3600)
+        self.log.write(proc.stdout + proc.stderr)
+        self.returncode = proc.returncode
+        return proc.returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+class _Subprocess:
+    """Stands in for the subprocess module inside dtlab.compare and dtlab.sweeps.local."""
+
+    DEVNULL, STDOUT, TimeoutExpired, Popen = (subprocess.DEVNULL, subprocess.STDOUT,
+                                              subprocess.TimeoutExpired, _Popen)
 
     @staticmethod
     def run(cmd: list[str], **_: object) -> subprocess.CompletedProcess[str]:
-        assert cmd[1:5] == ["-m", "dtlab", "train", "--nproc-per-node"], cmd
-        proc = ranks.start(int(cmd[5]), cmd[6:])
-        return subprocess.CompletedProcess(cmd, proc.returncode, proc.stdout, proc.stderr)
+        return _run_command(cmd, 3600)
 
 
 @contextlib.contextmanager
 def fast_launches() -> Iterator[None]:
-    """`dtlab compare` starting its runs through tests/ranks.py: its specs, table, deviations and
-    verdict are its own, its runs real ranks in real gloo groups. (The guide runs compare as
-    typed, launches included.)"""
+    """Commands run in this process start their ranks through tests/ranks.py: `dtlab compare`
+    and `dtlab sweep` (locally) their runs (their specs, tables, deviations, verdicts, records
+    and reports are their own), `dtlab train` and `dtlab comm` on one node without restarts
+    their workers (dtlab.launch.launch; restarts and several nodes still go through torch
+    elastic). The ranks are real processes in real gloo groups, running the workers' entry
+    points. (A sweep's timeouts are tested with its real runner: test_sweep.py.)"""
     import dtlab.compare
+    import dtlab.launch
+    import dtlab.sweeps.local
 
+    def params(fn: Callable[..., int]) -> list[tuple[str, object]]:
+        return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert params(ranks.launch) == params(dtlab.launch.launch), "dtlab.launch.launch changed"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dtlab.compare, "subprocess", _Launches)
+        mp.setattr(dtlab.compare, "subprocess", _Subprocess)
+        mp.setattr(dtlab.sweeps.local, "subprocess", _Subprocess)
+        mp.setattr(dtlab.launch, "launch", ranks.launch)
         yield
 
 

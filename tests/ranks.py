@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from dtlab.launch import launch as real_launch
+
 # Imported once by the forkserver, before it forks any rank (what every rank needs; optimizers
 # import torch._dynamo on first use, the slowest part of a rank's start).
 PRELOAD = ["dtlab.train", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint",
@@ -56,6 +58,17 @@ def _train_main(argv: list[str]) -> int:
     from dtlab.train import main
 
     return main(argv)
+
+
+def _comm_main(argv: list[str]) -> int:
+    from dtlab.comm.bench import main
+
+    return main(argv)
+
+
+# The worker modules dtlab launches, and their entry points (what `python -m MODULE` runs).
+MAINS: dict[str, Callable[[list[str]], int]] = {"dtlab.train": _train_main,
+                                                "dtlab.comm.bench": _comm_main}
 
 
 def start(nproc: int, argv: list[str], target: Callable[[list[str]], int] = _train_main,
@@ -118,6 +131,20 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def launch(worker_args: list[str], nproc_per_node: int, nnodes: int = 1,
+           rdzv_endpoint: str | None = None, rdzv_id: str = "dtlab", max_restarts: int = 0,
+           module: str = "dtlab.train", rdzv_conf: str = "") -> int:
+    """dtlab.launch.launch's stand-in (same signature): one node without restarts on ranks from
+    here (their output to this process's stdout/stderr); anything else through the real one."""
+    if nnodes > 1 or max_restarts or rdzv_endpoint or module not in MAINS:
+        return real_launch(worker_args, nproc_per_node, nnodes, rdzv_endpoint, rdzv_id,
+                           max_restarts, module, rdzv_conf)
+    proc = start(nproc_per_node, list(worker_args), target=MAINS[module])
+    print(proc.stdout, end="", flush=True)
+    print(proc.stderr, end="", file=sys.stderr, flush=True)
+    return proc.returncode
 
 
 def train(nproc: int, *args: str, env: dict[str, str] | None = None,
