@@ -4,9 +4,12 @@ Commands are the lines of ```bash blocks (a trailing backslash continues a line;
 end says the command is expected to fail with that code). Each chapter runs in its own directory
 holding the repository's configs/ and scripts/, so that relative paths work as in a fresh clone.
 A plain `dtlab ...` line runs what the console script runs, dtlab.cli.main(ARGS), inside the
-test's process (its exit code and all output, the launched workers' included: conftest.dtlab);
-multi-rank commands still start their workers through torch elastic, as typed. Every other line
-(torchrun, bash scripts, sbatch, python, shell syntax) runs through bash.
+test's process (its exit code and all output: conftest.dtlab), with the ranks of its runs forked
+from a preloaded forkserver (conftest.fast_launches: real processes and gloo groups, running the
+workers' entry points, without an interpreter start and torch imports per rank); `--max-restarts`
+and several nodes keep torch elastic. Every other line (torchrun, bash scripts, sbatch, python,
+shell syntax) runs through bash as typed; `sbatch --wait` jobs run side by side (sbatch polls at
+2, 8 and then 32 s intervals: each job of chapter 06 would wait ~30 s after it finished).
 After a chapter's commands, the numbers its text quotes are checked against what they produced
 (CHECKS below): a change in behaviour that makes the guide wrong fails here.
 """
@@ -23,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, dtlab, max_rel_dev, split_command, step_losses
+from conftest import ROOT, dtlab, fast_launches, max_rel_dev, split_command, step_losses
 
 GUIDE = ROOT / "docs" / "guide"
 BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
@@ -227,15 +230,25 @@ def test_every_command_of_the_chapter_runs(chapter: str, tmp_path: Path) -> None
     outputs: dict[str, str] = {}
     cmds = commands(GUIDE / chapter)
     assert cmds, f"{chapter} quotes no command"
+    jobs: list[tuple[str, int, subprocess.Popen[str]]] = []
     for cmd, expected in cmds:
         argv = split_command(cmd)
+        if "sbatch --wait" in cmd:
+            jobs.append((cmd, expected, subprocess.Popen(
+                ["bash", "-c", cmd], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True)))
+            continue
         if argv is not None:
-            proc = dtlab(*argv, cwd=tmp_path, env={"PATH": env["PATH"]})
+            with fast_launches():
+                proc = dtlab(*argv, cwd=tmp_path, env={"PATH": env["PATH"]})
         else:
             proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True,
                                   text=True, timeout=600)
         outputs[cmd] = proc.stdout + proc.stderr
         assert proc.returncode == expected, f"{cmd}\nexit {proc.returncode}\n{outputs[cmd][-3000:]}"
+    for cmd, expected, job in jobs:
+        outputs[cmd] = job.communicate(timeout=600)[0]
+        assert job.returncode == expected, f"{cmd}\nexit {job.returncode}\n{outputs[cmd][-3000:]}"
     if chapter in CHECKS:
         CHECKS[chapter](tmp_path, outputs)
     shutil.rmtree(tmp_path / "runs", ignore_errors=True)
