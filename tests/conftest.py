@@ -257,16 +257,26 @@ def local_sweep(session_dir: Path) -> tuple[Path, subprocess.CompletedProcess[st
     return out, proc
 
 
-# make test runs the suite on 2 pytest-xdist workers with --dist loadgroup (2 cores: one worker
-# runs while the other waits on a process start-up, a timeout or a SLURM job). Groups keep what
-# must stay together on one worker: a module (its module-scoped fixtures run once), the tests
-# sharing the local sweep, the tests that start the local SLURM cluster; each guide chapter is
-# its own group, so chapters spread over both workers.
+# make test runs the suite on 2 pytest-xdist workers with --dist loadgroup, each worker pinned to
+# one core. Groups keep what must stay together on one worker: a module (its module-scoped
+# fixtures run once), the tests sharing the local sweep, the tests that start the local SLURM
+# cluster; each guide chapter is its own group, so chapters spread over both workers.
 GROUPS = {"test_report_browser": "sweep", "test_sweep": "sweep", "test_slurm": "slurm"}
+# Seconds a group takes on one core (measured; --durations), heaviest first: with
+# --no-loadscope-reorder xdist hands out groups in collection order, each to the worker that
+# runs out of work first, so the long ones start first and the short ones fill both workers
+# up to the end (xdist's default order, by test count, would start the one-test chapters last).
+COST = {"slurm": 150, "guide-03-fsdp.md": 116, "test_train_features": 90, "test_reliability": 90,
+        "guide-08-failure-modes.md": 86, "test_zero": 75, "guide-02-ddp.md": 71, "sweep": 70,
+        "guide-05-model-parallel.md": 66, "test_estimate": 50, "guide-04-zero.md": 49,
+        "guide-07-communication.md": 45, "test_launch": 40, "test_ddp_hooks": 40,
+        "test_model_parallel": 38, "test_parity": 30, "test_comm": 22, "guide-01-single.md": 15,
+        "test_doctor": 13, "test_breakdown": 12, "test_config": 12, "test_data": 10}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    groups = {}
     for item in items:
         module = item.module.__name__
         group = GROUPS.get(module, module)
@@ -274,3 +284,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             chapter = item.callspec.params["chapter"]
             group = "slurm" if chapter.startswith("06") else f"guide-{chapter}"
         item.add_marker(pytest.mark.xdist_group(group))
+        groups[item] = group
+    items.sort(key=lambda item: -COST.get(groups[item], 5))  # stable: file order within a group
