@@ -26,10 +26,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 
 # The doctor first: when this machine cannot run 2-rank collectives, say why instead of failing
-# half the suite.
+# half the suite. The test groups start heaviest first (tests/conftest.py: COST).
 test: lint
 	$(PY) -m dtlab doctor
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py

@@ -1,15 +1,24 @@
-"""Shared helpers: run the real CLI in a subprocess and read what a run wrote."""
+"""Shared helpers: run the real CLI (in a subprocess, or in this process where no process group is
+needed), train several runs in one real gloo process group, and read what a run wrote."""
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import io
 import json
 import os
+import shlex
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import ranks
 
 from dtlab.compare import loss_deviation, read_run
 
@@ -21,6 +30,31 @@ CONFIGS = ROOT / "configs"
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+def _pin_xdist_worker() -> None:
+    """Give each pytest-xdist worker its own share of the cores (inherited by every process it
+    starts). A dtlab rank sets its threads to the cores it may use / ranks per node; unpinned,
+    a 1-rank run on a 2-core machine starts 2 OpenMP threads while the other worker keeps the
+    second core busy, and OpenMP's barrier then waits on a descheduled thread: steps measured
+    5x slower (0.36 s instead of 0.075 s for the quick CNN). Pinned, every rank runs 1 thread per
+    core it owns. DTLAB_TEST_NO_PIN=1 turns this off."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2 or os.environ.get("DTLAB_TEST_NO_PIN") == "1":
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < count:
+        return
+    share = cpus[int(worker[2:]) % count::count]
+    os.sched_setaffinity(0, share)
+    import torch
+
+    torch.set_num_threads(len(share))
+
+
+_pin_xdist_worker()
+
+
+# ------------------------------------------------------------------------------ the CLI
 def cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None,
         cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """`dtlab ARGS` as a user runs it (python -m dtlab), capturing its output."""
@@ -30,15 +64,149 @@ def cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None,
     )
 
 
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _with_fds_captured(fn: Callable[[], int]) -> tuple[int, str, str]:
+    """fn()'s result and what was written to fds 1 and 2 meanwhile, by this process (through
+    sys.stdout/err) and by the processes it started (which inherit the fds)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved_fds, saved_streams = (os.dup(1), os.dup(2)), (sys.stdout, sys.stderr)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            with open(1, "w", closefd=False, buffering=1, errors="replace") as sys.stdout, \
+                    open(2, "w", closefd=False, buffering=1, errors="replace") as sys.stderr:
+                result = fn()
+        finally:
+            sys.stdout, sys.stderr = saved_streams
+            for fd, saved in zip((1, 2), saved_fds, strict=True):
+                os.dup2(saved, fd)
+                os.close(saved)
+        out.seek(0)
+        err.seek(0)
+        return result, out.read().decode(errors="replace"), err.read().decode(errors="replace")
+
+
+def in_process(fn: Callable[[], int], cwd: Path | None = None, env: dict[str, str] | None = None,
+               args: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """fn() in this process as if it were a command: its result as exit code and its output (fds
+    1 and 2, so the output of worker processes it starts is included). The working directory,
+    environment and signal handlers are restored afterwards (a launch sets OMP_NUM_THREADS,
+    torch elastic installs handlers)."""
+    environ, cwd_before = dict(os.environ), os.getcwd()
+    handlers = {s: signal.getsignal(s) for s in _SIGNALS}
+    os.environ.update(env or {})
+    os.chdir(cwd or ROOT)
+    try:
+        code, stdout, stderr = _with_fds_captured(fn)
+    finally:
+        os.chdir(cwd_before)
+        os.environ.clear()
+        os.environ.update(environ)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    return subprocess.CompletedProcess(args or [], code, stdout, stderr)
+
+
+def dtlab(*args: str, cwd: Path | None = None,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`dtlab ARGS` inside this process: dtlab.cli.main(ARGS), its exit code and output.
+
+    What the console script does besides main() is distributed.leave(), which only matters after
+    a process group: use it for commands that start none here (1-rank `single` runs, validation
+    errors, launches, compare/sweep, which start their runs as processes, estimate, advise, ...)."""
+    from dtlab.cli import main
+
+    def run() -> int:
+        try:
+            return main(list(args))
+        except SystemExit as e:  # argparse: bad usage (2) or --help (0)
+            return e.code if isinstance(e.code, int) else 1
+
+    return in_process(run, cwd, env, ["dtlab", *args])
+
+
+def runs_in_process(overrides: tuple[str, ...] | list[str], config: str | None = None) -> bool:
+    """A 1-rank run trains in this process when it starts no process group (strategy single)."""
+    from dtlab.config import load_config
+
+    return load_config(config, list(overrides)).strategy.name == "single"
+
+
 def train(run_dir: Path, *overrides: str, nproc: int = 1, config: str | None = None,
           timeout: float = 240) -> dict:
-    """Run `dtlab train`, assert success, return its summary."""
-    args = ["train", "--nproc-per-node", str(nproc)]
-    args += ["--config", config] if config else []
+    """`dtlab train --nproc-per-node NPROC`, assert success, return its summary. A 1-rank
+    `single` run trains in this process (no process group: only the interpreter start differs),
+    others on real ranks started by tests/ranks.py (the workers' entry point and a real gloo
+    group, without torch elastic's agent and the imports of fresh interpreters)."""
+    args = ["--config", config] if config else []
     args += [*overrides, f"run.dir={run_dir}", "run.log_every=1", "run.progress=false"]
-    proc = cli(*args, timeout=timeout)
+    if nproc == 1 and runs_in_process(overrides, config):
+        proc = dtlab("train", *args)
+    else:
+        proc = ranks.train(nproc, *args, timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def _run_command(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """`python -m dtlab train --nproc-per-node N ARGS`, as compare and sweeps start it, on
+    ranks.start(N, ARGS)."""
+    assert cmd[1:5] == ["-m", "dtlab", "train", "--nproc-per-node"], cmd
+    return ranks.start(int(cmd[5]), cmd[6:], timeout=timeout)
+
+
+class _Popen:
+    """What the local sweep runner uses of subprocess.Popen: the run happens in wait()."""
+
+    def __init__(self, cmd: list[str], stdout: io.TextIOBase, **_: object) -> None:
+        self.cmd, self.log, self.returncode = cmd, stdout, None
+
+    def wait(self, timeout: float | None = None) -> int:
+        proc = _run_command(self.cmd, timeout or 3600)
+        self.log.write(proc.stdout + proc.stderr)
+        self.returncode = proc.returncode
+        return proc.returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+class _Subprocess:
+    """Stands in for the subprocess module inside dtlab.compare and dtlab.sweeps.local."""
+
+    DEVNULL, STDOUT, TimeoutExpired, Popen = (subprocess.DEVNULL, subprocess.STDOUT,
+                                              subprocess.TimeoutExpired, _Popen)
+
+    @staticmethod
+    def run(cmd: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        return _run_command(cmd, 3600)
+
+
+@contextlib.contextmanager
+def fast_launches() -> Iterator[None]:
+    """Commands run in this process start their ranks through tests/ranks.py: `dtlab compare`
+    and `dtlab sweep` (locally) their runs (their specs, tables, deviations, verdicts, records
+    and reports are their own), `dtlab train` and `dtlab comm` on one node without restarts
+    their workers (dtlab.launch.launch; restarts and several nodes still go through torch
+    elastic). The ranks are real processes in real gloo groups, running the workers' entry
+    points. (A sweep's timeouts are tested with its real runner: test_sweep.py.)"""
+    import dtlab.compare
+    import dtlab.launch
+    import dtlab.sweeps.local
+
+    def params(fn: Callable[..., int]) -> list[tuple[str, object]]:
+        return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert params(ranks.launch) == params(dtlab.launch.launch), "dtlab.launch.launch changed"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dtlab.compare, "subprocess", _Subprocess)
+        mp.setattr(dtlab.sweeps.local, "subprocess", _Subprocess)
+        mp.setattr(dtlab.launch, "launch", ranks.launch)
+        yield
 
 
 def step_losses(run_dir: Path) -> list[float]:
@@ -54,6 +222,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def split_command(line: str) -> list[str] | None:
+    """The arguments of a plain `dtlab ...` command line, None for anything needing a shell."""
+    if any(c in line for c in "$|&;<>`()*?~") or not line.startswith("dtlab "):
+        return None
+    return shlex.split(line)[1:]
 
 
 @pytest.fixture(scope="session")
@@ -77,21 +252,31 @@ def local_sweep(session_dir: Path) -> tuple[Path, subprocess.CompletedProcess[st
     spec = session_dir / "sweep.yaml"
     spec.write_text(LOCAL_SWEEP.format(base=CONFIGS / "quick.yaml"))
     out = session_dir / "sweep"
-    proc = cli("sweep", str(spec), "--out", str(out), timeout=600)
+    proc = dtlab("sweep", str(spec), "--out", str(out))  # each run is a `dtlab train` process
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
 
 
-# make test runs the suite on 2 pytest-xdist workers with --dist loadgroup (2 cores: one worker
-# runs while the other waits on a process start-up, a timeout or a SLURM job). Groups keep what
-# must stay together on one worker: a module (its module-scoped fixtures run once), the tests
-# sharing the local sweep, the tests that start the local SLURM cluster; each guide chapter is
-# its own group, so chapters spread over both workers.
+# make test runs the suite on 2 pytest-xdist workers with --dist loadgroup, each worker pinned to
+# one core. Groups keep what must stay together on one worker: a module (its module-scoped
+# fixtures run once), the tests sharing the local sweep, the tests that start the local SLURM
+# cluster; each guide chapter is its own group, so chapters spread over both workers.
 GROUPS = {"test_report_browser": "sweep", "test_sweep": "sweep", "test_slurm": "slurm"}
+# Seconds a group takes on one core (measured; --durations), heaviest first: with
+# --no-loadscope-reorder xdist hands out groups in collection order, each to the worker that
+# runs out of work first, so the long ones start first and the short ones fill both workers
+# up to the end (xdist's default order, by test count, would start the one-test chapters last).
+COST = {"slurm": 150, "guide-03-fsdp.md": 116, "test_train_features": 90, "test_reliability": 90,
+        "guide-08-failure-modes.md": 86, "test_zero": 75, "guide-02-ddp.md": 71, "sweep": 70,
+        "guide-05-model-parallel.md": 66, "test_estimate": 50, "guide-04-zero.md": 49,
+        "guide-07-communication.md": 45, "test_launch": 40, "test_ddp_hooks": 40,
+        "test_model_parallel": 38, "test_parity": 30, "test_comm": 22, "guide-01-single.md": 15,
+        "test_doctor": 13, "test_breakdown": 12, "test_config": 12, "test_data": 10}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    groups = {}
     for item in items:
         module = item.module.__name__
         group = GROUPS.get(module, module)
@@ -99,3 +284,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             chapter = item.callspec.params["chapter"]
             group = "slurm" if chapter.startswith("06") else f"guide-{chapter}"
         item.add_marker(pytest.mark.xdist_group(group))
+        groups[item] = group
+    items.sort(key=lambda item: -COST.get(groups[item], 5))  # stable: file order within a group

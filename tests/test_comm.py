@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import cli
+from conftest import dtlab, fast_launches
 
 from dtlab.cli import main
 from dtlab.comm.bench import parse_size, sizes
@@ -21,9 +21,10 @@ QUICK = ["--min-bytes", "8", "--max-bytes", "64K", "--factor", "32", "--iters", 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_every_collective_is_exact(ranks: int, tmp_path: Path) -> None:
     out = tmp_path / "comm.json"
-    proc = cli("comm", "--op", "all", "--check", "--nproc-per-node", str(ranks), *QUICK,
-               "--p2p", "--p2p-bytes", "64K", "--json", str(out), "--csv", str(tmp_path / "c.csv"),
-               timeout=300)
+    with fast_launches():  # the benchmark's ranks from tests/ranks.py
+        proc = dtlab("comm", "--op", "all", "--check", "--nproc-per-node", str(ranks), *QUICK,
+                     "--p2p", "--p2p-bytes", "64K", "--json", str(out), "--csv",
+                     str(tmp_path / "c.csv"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(out.read_text())
     measured = [r for r in rows if "size_bytes" in r]
@@ -45,8 +46,9 @@ def test_every_collective_is_exact(ranks: int, tmp_path: Path) -> None:
 
 
 def test_a_corrupted_result_is_counted(tmp_path: Path) -> None:
-    proc = cli("comm", "--op", "all_gather", "--check", "--nproc-per-node", "2", *QUICK,
-               "--corrupt-rank", "1", timeout=120)
+    with fast_launches():
+        proc = dtlab("comm", "--op", "all_gather", "--check", "--nproc-per-node", "2", *QUICK,
+                     "--corrupt-rank", "1")
     assert proc.returncode == 1
     rows = [line.split() for line in proc.stdout.splitlines() if line and not line.startswith("#")]
     assert rows and all(int(cols[8]) >= 1 for cols in rows)  # out-of-place #wrong column

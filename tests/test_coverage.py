@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import ranks  # noqa: F401  (the forkserver's preload: torch and dtlab imported once)
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -51,7 +52,8 @@ def worker(rank: int, root: str, port: int, out: str) -> None:
 def test_one_epoch_covers_the_dataset_exactly(tmp_path: Path) -> None:
     write_cifar10(tmp_path, per_file=40, test=30)  # 200 training images, 5 steps of 40
     out = tmp_path / "seen.pt"
-    mp.spawn(worker, args=(str(tmp_path), free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.start_processes(worker, args=(str(tmp_path), free_port(), str(out)), nprocs=WORLD,
+                       join=True, start_method="forkserver")
     gathered = torch.load(out, weights_only=True)
     train_ids = [i for seen, _ in gathered for batch in seen for i in batch]
     assert sorted(train_ids) == list(range(200))  # every sample once, none twice

@@ -7,9 +7,9 @@ import os
 import re
 import socket
 import subprocess
-import sys
 
-from conftest import ROOT
+import pytest
+from conftest import dtlab
 
 from dtlab.doctor import Check
 from dtlab.doctor.environment import checks as env_checks
@@ -24,10 +24,12 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 
 
 def doctor(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """`dtlab doctor ARGS` in this environment without launch variables, plus `env`."""
-    clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    return subprocess.run([sys.executable, "-m", "dtlab", "doctor", *args], capture_output=True,
-                          text=True, timeout=120, env=clean | env, cwd=ROOT)
+    """`dtlab doctor ARGS` in this environment without launch variables, plus `env` (in this
+    process: the doctor reads os.environ; its smoke test starts its ranks as processes)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key in LAUNCH_VARS:
+            mp.delenv(key, raising=False)
+        return dtlab("doctor", *args, env=env)
 
 
 def line(stdout: str, name: str) -> str:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import ROOT, cli, free_port
+from conftest import ROOT, cli, dtlab, free_port
 
 from dtlab.comm.model import fit, predict
 from dtlab.config import load_config
@@ -43,14 +43,14 @@ def test_textbook_7b_adamw_fp32_on_4_gpus() -> None:
 
 
 def test_textbook_through_the_command_line() -> None:
-    proc = cli("estimate", "--n-params", "7e9", "--world-size", "4", "--optimizer", "adamw",
-               "--precision", "fp32", "--strategies", "ddp,zero3", "--json")
+    proc = dtlab("estimate", "--n-params", "7e9", "--world-size", "4", "--optimizer", "adamw",
+                 "--precision", "fp32", "--strategies", "ddp,zero3", "--json")
     assert proc.returncode == 0, proc.stderr
     rows = {r["strategy"]: r for r in json.loads(proc.stdout)["rows"]}
     assert [rows["ddp"][k] for k in ("params", "grads", "optimizer", "state")] == \
         [28e9, 28e9, 56e9, 112e9]
     assert rows["zero3"]["state"] == 28e9
-    table = cli("estimate", "--n-params", "7B", "--world-size", "4", "--strategies", "ddp,zero3")
+    table = dtlab("estimate", "--n-params", "7B", "--world-size", "4", "--strategies", "ddp,zero3")
     lines = table.stdout.splitlines()
     assert "28.00  28.00    0.00  56.00  112.00" in next(x for x in lines if x.startswith("ddp"))
     assert " 28.00 " in next(x for x in lines if x.startswith("zero3"))
@@ -164,7 +164,8 @@ def train_all(rank: int, port: int, root: str) -> None:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("estimate")
-    mp.spawn(train_all, args=(free_port(), str(root)), nprocs=2, join=True)
+    mp.start_processes(train_all, args=(free_port(), str(root)), nprocs=2, join=True,
+                       start_method="forkserver")  # tests/ranks.py's, torch preloaded
     return json.loads((root / "measured.json").read_text())
 
 
@@ -449,8 +450,8 @@ def test_advice_beyond_data_parallelism() -> None:
 
 
 def test_advise_command_prints_the_numbers() -> None:
-    proc = cli("advise", "--n-params", "7e9", "--seq-len", "4096", "--precision", "bf16",
-               "--gpus", "8", "--gpu-memory", "40", "--bandwidth", "100")
+    proc = dtlab("advise", "--n-params", "7e9", "--seq-len", "4096", "--precision", "bf16",
+                 "--gpus", "8", "--gpu-memory", "40", "--bandwidth", "100")
     assert proc.returncode == 0, proc.stderr
     assert "advice: zero3 - 35.87 of 40.00 GB per GPU, headroom 4.13 GB (10%)" in proc.stdout
 

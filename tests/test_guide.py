@@ -3,8 +3,17 @@
 Commands are the lines of ```bash blocks (a trailing backslash continues a line; `# exit N` at the
 end says the command is expected to fail with that code). Each chapter runs in its own directory
 holding the repository's configs/ and scripts/, so that relative paths work as in a fresh clone.
+A plain `dtlab ...` line runs what the console script runs, dtlab.cli.main(ARGS), inside the
+test's process (its exit code and all output: conftest.dtlab), with the ranks of its runs forked
+from a preloaded forkserver (conftest.fast_launches: real processes and gloo groups, running the
+workers' entry points, without an interpreter start and torch imports per rank); `--max-restarts`
+and several nodes keep torch elastic. Every other line (torchrun, bash scripts, sbatch, python,
+shell syntax) runs through bash as typed; `sbatch --wait` jobs run side by side (sbatch polls at
+2, 8 and then 32 s intervals: each job of chapter 06 would wait ~30 s after it finished).
 After a chapter's commands, the numbers its text quotes are checked against what they produced
-(CHECKS below): a change in behaviour that makes the guide wrong fails here.
+(CHECKS below): a change in behaviour that makes the guide wrong fails here. Numbers that float
+rounding decides are compared within the tolerances below, or against a value of the same run;
+counts, bytes and texts exactly.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, max_rel_dev, step_losses
+from conftest import ROOT, dtlab, fast_launches, max_rel_dev, split_command, step_losses
 
 GUIDE = ROOT / "docs" / "guide"
 BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
@@ -47,6 +56,32 @@ def summary(workdir: Path, run: str) -> dict:
 
 
 # ------------------------------------------------------------------ what each chapter quotes
+# Tolerances for the numbers the guide quotes from float computations. Exact equality would fail
+# on a torch upgrade, another BLAS or CPU (vectorised kernels, reduction order) without anything
+# being wrong; these bounds still fail on a change of behaviour.
+# - The same computation on 1 vs N ranks (or two ways of accumulating) differs by float32
+#   rounding only: the guide quotes 0.9e-7 to 3e-7 measured here (10 to 192 steps). 2e-6 leaves
+#   x7 for other builds; a real difference (an unsynchronised rank, another data order, a missing
+#   all-reduce) is >= 1e-4 (test_parity: another seed deviates > 1e-3 in 24 steps).
+PARITY = 2e-6
+# - A final loss quoted with 6 digits: rounding differences grow over a run (bf16 on this machine
+#   lands 2e-5 apart between two runs of the same command); 1e-3 relative absorbs that, while
+#   another seed, data order, schedule or model moves a final loss by percents.
+LOSS_REL = 1e-3
+# - A validation accuracy on 1,024 samples (steps of 0.1%): rounding flips a few borderline
+#   predictions; 1 point = 10 samples. Another training moves it by points (chapter 02: 62.4%
+#   vs 20.7%/35.1%).
+ACC_ABS = 0.01
+# - The step at which a diverging run overflows (geometric growth: rounding moves it by a step).
+DIVERGE_STEPS = 3
+
+
+def diverged_at(text: str, norm: str, quoted: int) -> bool:
+    """`non-finite gradient (norm NORM) at step N` with N within DIVERGE_STEPS of the quoted N."""
+    m = re.search(rf"non-finite gradient \(norm {norm}\) at step (\d+)", text)
+    return bool(m) and abs(int(m.group(1)) - quoted) <= DIVERGE_STEPS
+
+
 def usage_and_acc(w: Path, run: str) -> tuple[dict, float, list[float]]:
     s = summary(w, run)
     return s.get("sample_usage"), round(s["val_acc"], 3), [round(a, 3) for a in
@@ -56,20 +91,26 @@ def usage_and_acc(w: Path, run: str) -> tuple[dict, float, list[float]]:
 def check_ddp(w: Path, out: dict[str, str]) -> None:
     runs = w / "runs/guide"
     ref = step_losses(runs / "single")
-    assert ref[-1] == pytest.approx(0.891529, abs=1e-6)
+    assert ref[-1] == pytest.approx(0.891529, rel=LOSS_REL)
     assert step_losses(runs / "ddp") == step_losses(runs / "ddp-torchrun")
-    assert max_rel_dev(step_losses(runs / "ddp"), ref) < 3e-7
+    assert max_rel_dev(step_losses(runs / "ddp"), ref) < PARITY
     used, acc, own = usage_and_acc(w, "runs/guide/ddp")
     assert (used["samples_processed"], used["min_uses_of_one_sample"],
             used["max_uses_of_one_sample"]) == (12288, 3, 3)
-    assert acc == 0.624 and own == [0.658, 0.590]
+    # "the number `single` reports": the same function, at most 2 of 1,024 predictions flip
+    assert acc == pytest.approx(usage_and_acc(w, "runs/guide/single")[1], abs=2 / 1024)
+    assert acc == pytest.approx(0.624, abs=ACC_ABS)
+    assert own == pytest.approx([0.658, 0.590], abs=ACC_ABS)
+    assert sum(own) / 2 == pytest.approx(acc, abs=1e-3)  # two halves of 512 samples
+    assert abs(own[0] - acc) > 0.01  # "rank 0 prints a number 3.4 points off"
     used, _, _ = usage_and_acc(w, "runs/guide/ddp-no-sampler")
     assert (used["samples_processed"], used["min_uses_of_one_sample"]) == (24576, 6)
     assert summary(w, "runs/guide/ddp-no-sampler")["steps"] == 384
     assert max_rel_dev(step_losses(runs / "ddp-no-sampler"), step_losses(runs / "single-b32")) < 1e-5
-    accs = {run: usage_and_acc(w, f"runs/guide/{run}")[1] for run in
-            ("ddp-b128", "ddp-b128-scaled")}
-    assert accs == {"ddp-b128": 0.207, "ddp-b128-scaled": 0.351}
+    b128, scaled = (usage_and_acc(w, f"runs/guide/{run}")[1] for run in
+                    ("ddp-b128", "ddp-b128-scaled"))
+    assert (b128, scaled) == pytest.approx((0.207, 0.351), abs=ACC_ABS)
+    assert b128 + 0.1 < scaled < acc  # scaling wins back part of the accuracy, not all of it
 
 
 def output_of(out: dict[str, str], *parts: str) -> str:
@@ -91,15 +132,16 @@ def check_failure_modes(w: Path, out: dict[str, str]) -> None:
     even = [json.loads(x) for x in (w / "runs/guide/even/metrics.jsonl").read_text().splitlines()]
     assert [r["val_count"] for r in even if "val_count" in r] == [1025]
     rows = {r["strategy"]: r for r in json.loads((w / "runs/guide/seeds/compare.json").read_text())}
-    assert float(rows["ddp"]["param_dev"]) < 1e-6 and float(rows["fsdp"]["param_dev"]) > 1.0
-    assert "non-finite gradient (norm inf) at step 56" in output_of(out, "lab.no_zero_grad")
-    assert "non-finite gradient (norm nan) at step 62" in output_of(out, "lab.no_loss_division")
+    assert float(rows["ddp"]["loss_dev"]) < PARITY and float(rows["ddp"]["param_dev"]) < 1e-5
+    assert float(rows["fsdp"]["param_dev"]) > 1.0  # "parameters 199% away"
+    assert diverged_at(output_of(out, "lab.no_zero_grad"), "inf", 56)
+    assert diverged_at(output_of(out, "lab.no_loss_division"), "nan", 62)
     once = summary(w, "runs/guide/accum")["comm_breakdown"]
     every = summary(w, "runs/guide/accum-sync-every")["comm_breakdown"]
     assert (once["calls_per_step"], once["payload_bytes_per_step"]) == (1, 547496)
     assert (every["calls_per_step"], every["payload_bytes_per_step"]) == (4, 4 * 547496)
     assert max_rel_dev(step_losses(w / "runs/guide/accum"),
-                       step_losses(w / "runs/guide/accum-sync-every")) < 1e-6
+                       step_losses(w / "runs/guide/accum-sync-every")) < PARITY
 
 
 def check_multi_node(w: Path, out: dict[str, str]) -> None:
@@ -108,12 +150,12 @@ def check_multi_node(w: Path, out: dict[str, str]) -> None:
     assert (two["nnodes"], two["world_size"]) == (2, 4)
     assert [r["local_rank"] for r in two["ranks"]] == [0, 1, 0, 1]
     ref = step_losses(runs / "one-node")
-    assert ref[-1] == pytest.approx(2.305999, abs=1e-6)
+    assert ref[-1] == pytest.approx(2.305999, rel=LOSS_REL)
     assert step_losses(runs / "two-nodes") == ref  # the same ranks, computing the same sums
     for run, launcher in [("two-nodes", "torchrun"), ("slurm-srun", "slurm"),
                           ("slurm-torchrun", "torchrun")]:
         assert summary(w, f"runs/guide/{run}")["launcher"] == launcher
-        assert max_rel_dev(step_losses(runs / run), ref) < 1e-6, run
+        assert max_rel_dev(step_losses(runs / run), ref) < PARITY, run
     logs = "".join(p.read_text() for p in w.glob("dtlab-*.out"))
     assert logs.count("rendezvous localhost:") == 2  # both sbatch scripts ran in this directory
 
@@ -130,14 +172,16 @@ def check_communication(w: Path, out: dict[str, str]) -> None:
     state = {(r["series"], int(r["world_size"])): int(float(r["state_bytes"])) for r in results}
     assert [state[("ddp", n)] for n in (1, 2, 4)] == [1642488] * 3
     assert [state[("fsdp", n)] for n in (1, 2, 4)] == [1642488, 821244, 411012]
-    assert {round(float(r["val_acc"]), 3) for r in results} == {0.158}
+    accs = [float(r["val_acc"]) for r in results]  # "15.8% at 1, 2 and 4 ranks for both"
+    assert max(accs) - min(accs) <= 2 / 1024  # the same function: at most 2 of 1024 flip
+    assert accs[0] == pytest.approx(0.158, abs=ACC_ABS)
 
 
 def check_fsdp(w: Path, out: dict[str, str]) -> None:
     rows = {r["strategy"]: r for r in json.loads((w / "runs/guide/fsdp/compare.json").read_text())}
     assert {k: r["state_mib"] for k, r in rows.items()} == {
         "single": 13.223, "ddp": 13.223, "fsdp": 6.612, "fsdp1": 6.612, "fsdp1:SHARD_GRAD_OP": 6.612}
-    assert all(float(r["loss_dev"]) < 2.1e-7 for r in rows.values())
+    assert all(float(r["loss_dev"]) < PARITY for r in rows.values())
     assert "verify passed" in output_of(out, "dtlab compare")
     header = (w / "runs/guide/fsdp/compare.csv").read_text().splitlines()[0]
     assert header.endswith("comm_share_pct,exposed_comm_ms,comm_mib_per_step")
@@ -155,14 +199,17 @@ def check_fsdp(w: Path, out: dict[str, str]) -> None:
         "fsdp1-one-unit": (3, 6932480)}
     bf16 = summary(w, "runs/guide/fsdp-bf16")
     assert bf16["memory_per_rank"]["param_bytes"] == [1733120, 1733120]
-    assert round(bf16["final_train_loss"], 5) == 4.10958
-    assert round(rows["fsdp"]["final_loss"], 5) == 4.11087
+    fp32 = rows["fsdp"]["final_loss"]
+    assert (bf16["final_train_loss"], fp32) == pytest.approx((4.10958, 4.11087), rel=LOSS_REL)
+    # "differs from fp32 in the fourth digit": far more than fp32 rounding, less than 0.1%
+    assert 10 * PARITY < abs(bf16["final_train_loss"] - fp32) / fp32 < 1e-3
 
 
 def check_zero(w: Path, out: dict[str, str]) -> None:
     assert "verify passed" in output_of(out, "dtlab compare")
     rows = {r["strategy"]: r for r in json.loads((w / "runs/guide/zero/compare.json").read_text())}
     assert set(rows) == {"single", "zero1", "deepspeed:1", "deepspeed:2", "deepspeed:3"}
+    assert all(float(r["loss_dev"]) < PARITY for r in rows.values())  # "losses within 2.1e-7"
     p = 3466240
     mem = {run: summary(w, f"runs/guide/zero/{run}")["memory_per_rank"] for run in
            ("zero1", "deepspeed-1", "deepspeed-3")}
@@ -186,8 +233,10 @@ def check_model_parallel(w: Path, out: dict[str, str]) -> None:
     assert {k: r["param_mib"] for k, r in rows.items()} == {
         "single": 3.306, "tp": 1.659, "fsdp_tp@2x2": 0.83, "pp:1f1b": 1.668,
         "pp:interleaved_1f1b": 1.668}
-    assert all(float(r["loss_dev"]) < 1.8e-7 and float(r["param_dev"]) < 1.5e-6
-               for r in rows.values())
+    # "losses within 1.8e-7, parameters within 1.4e-6" (SGD, 10 steps): parameters gathered from
+    # shards and stages differ by rounding only; the command's own --verify bound is 1e-4.
+    assert all(float(r["loss_dev"]) < PARITY and float(r["param_dev"]) < 10 * PARITY
+               for r in rows.values()), {k: (r["loss_dev"], r["param_dev"]) for k, r in rows.items()}
     for m, theory in [(2, 1 / 3), (4, 0.2), (8, 1 / 9)]:
         pipe = summary(w, f"runs/guide/pp-m{m}")["pipeline"]
         assert pipe["bubble_theory"] == pytest.approx(theory)
@@ -223,11 +272,25 @@ def test_every_command_of_the_chapter_runs(chapter: str, tmp_path: Path) -> None
     outputs: dict[str, str] = {}
     cmds = commands(GUIDE / chapter)
     assert cmds, f"{chapter} quotes no command"
+    jobs: list[tuple[str, int, subprocess.Popen[str]]] = []
     for cmd, expected in cmds:
-        proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=600)
+        argv = split_command(cmd)
+        if "sbatch --wait" in cmd:
+            jobs.append((cmd, expected, subprocess.Popen(
+                ["bash", "-c", cmd], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True)))
+            continue
+        if argv is not None:
+            with fast_launches():
+                proc = dtlab(*argv, cwd=tmp_path, env={"PATH": env["PATH"]})
+        else:
+            proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True,
+                                  text=True, timeout=600)
         outputs[cmd] = proc.stdout + proc.stderr
         assert proc.returncode == expected, f"{cmd}\nexit {proc.returncode}\n{outputs[cmd][-3000:]}"
+    for cmd, expected, job in jobs:
+        outputs[cmd] = job.communicate(timeout=600)[0]
+        assert job.returncode == expected, f"{cmd}\nexit {job.returncode}\n{outputs[cmd][-3000:]}"
     if chapter in CHECKS:
         CHECKS[chapter](tmp_path, outputs)
     shutil.rmtree(tmp_path / "runs", ignore_errors=True)

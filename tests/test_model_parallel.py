@@ -13,8 +13,9 @@ import json
 from pathlib import Path
 
 import pytest
+import ranks
 import torch
-from conftest import CONFIGS, cli, max_rel_dev, step_losses, train
+from conftest import CONFIGS, dtlab, fast_launches, max_rel_dev, step_losses, train
 
 from dtlab.cli import main
 from dtlab.compare import param_deviation, parse_spec, run_label, spec_ranks
@@ -36,9 +37,10 @@ SPECS = ["tp", "pp:gpipe", "pp:1f1b", "pp:interleaved_1f1b", "pp:looped_bfs", "f
 @pytest.fixture(scope="module")
 def runs(session_dir: Path) -> Path:
     out = session_dir / "model-parallel"
-    proc = cli("compare", "--strategies", ",".join(["single", *SPECS]), "--nproc-per-node", "2",
-               "--verify", "--tolerance", str(TOL), "--out", str(out), *GPT_TINY,
-               "strategy.pp.dp=ddp", timeout=600)
+    with fast_launches():
+        proc = dtlab("compare", "--strategies", ",".join(["single", *SPECS]), "--nproc-per-node",
+                     "2", "--verify", "--tolerance", str(TOL), "--out", str(out), *GPT_TINY,
+                     "strategy.pp.dp=ddp")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"verify passed: {STEPS} steps vs single" in proc.stdout
     return out
@@ -182,8 +184,8 @@ def test_pipeline_on_one_rank(runs: Path, session_dir: Path) -> None:
     """A pipeline on one rank (both stages local, no communication) runs the same function."""
     ref = step_losses(runs / "single")
     run = session_dir / "pp-one-rank"
-    proc = cli("train", *GPT_TINY, "strategy.name=pp", "strategy.pp.schedule=interleaved_1f1b",
-               f"run.dir={run}", "run.log_every=1", "run.progress=false")
+    proc = ranks.train(1, *GPT_TINY, "strategy.name=pp", "strategy.pp.schedule=interleaved_1f1b",
+                       f"run.dir={run}", "run.log_every=1", "run.progress=false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert max_rel_dev(step_losses(run), ref) < TOL
     assert torch.isfinite(torch.tensor(step_losses(run))).all()

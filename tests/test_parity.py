@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli, max_rel_dev, step_losses, train
+from conftest import dtlab, fast_launches, max_rel_dev, step_losses, train
 from safetensors.torch import save_file
 
 from dtlab.compare import loss_deviation, param_deviation, parse_spec
@@ -44,8 +44,9 @@ def test_deviation_measures(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def parity(session_dir: Path) -> Path:
     out = session_dir / "parity"
-    proc = cli("compare", "--strategies", ",".join(STRATEGIES), "--nproc-per-node", "2",
-               "--verify", "--out", str(out), f"train.max_steps={STEPS}", timeout=600)
+    with fast_launches():
+        proc = dtlab("compare", "--strategies", ",".join(STRATEGIES), "--nproc-per-node", "2",
+                     "--verify", "--out", str(out), f"train.max_steps={STEPS}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"verify passed: {STEPS} steps vs single" in proc.stdout
     return out

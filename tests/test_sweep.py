@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS, cli
+from conftest import CONFIGS, dtlab
 
 from dtlab.cli import main
 from dtlab.errors import ConfigError
@@ -91,30 +91,33 @@ def test_rerunning_a_finished_sweep_launches_nothing(local_sweep) -> None:
     out, _ = local_sweep
     spec = out.parent / "sweep.yaml"
     before = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/*")}
-    proc = cli("sweep", str(spec), "--out", str(out), timeout=120)
+    proc = dtlab("sweep", str(spec), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "4 already done, 0 to run" in proc.stdout and "running" not in proc.stdout
     assert {p: p.stat().st_mtime_ns for p in out.glob("runs/*/*")} == before
 
 
 def test_crashed_and_timed_out_runs_are_recorded(tmp_path: Path) -> None:
+    # The crash: 1 rank, which fails within a second of its imports (2 ranks on one core take
+    # about as long to start as the 10 s the other run is allowed).
     spec = write_spec(tmp_path, """
 base: BASE
 overrides: {data.dir: /nonexistent, strategy.name: ddp}
 matrix:
   data.name: [synthetic, mnist]
   train.max_steps: [100000, 4]
-  nproc_per_node: [2]
-exclude: [{data.name: mnist, train.max_steps: 100000}, {data.name: synthetic, train.max_steps: 4}]
+  nproc_per_node: [2, 1]
+exclude: [{data.name: mnist, train.max_steps: 100000}, {data.name: synthetic, train.max_steps: 4},
+          {data.name: synthetic, nproc_per_node: 1}, {data.name: mnist, nproc_per_node: 2}]
 timeout_s: 10
 """)
-    proc = cli("sweep", str(spec), "--out", str(tmp_path / "o"), timeout=300)
+    proc = dtlab("sweep", str(spec), "--out", str(tmp_path / "o"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "0 of 2 runs done, 2 failed" in proc.stdout
     records = {r["label"]: r for r in (json.loads(p.read_text())
                                        for p in (tmp_path / "o").glob("runs/*/run.json"))}
     timed_out = records["data.name=synthetic train.max_steps=100000 nproc_per_node=2"]
-    crashed = records["data.name=mnist train.max_steps=4 nproc_per_node=2"]
+    crashed = records["data.name=mnist train.max_steps=4 nproc_per_node=1"]
     assert timed_out["status"] == "timeout" and "exceeded the 10 s timeout" in timed_out["reason"]
     assert crashed["status"] == "failed" and crashed["returncode"] == 2
     assert "MNIST not found" in crashed["reason"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli, max_rel_dev, step_losses, train
+from conftest import dtlab, max_rel_dev, step_losses, train
 
 from dtlab.config import TrainConfig
 from dtlab.optim import build_optimizer, build_scheduler, peak_lr
@@ -78,8 +78,8 @@ def test_hybrid_shard_shards_within_groups(session_dir: Path) -> None:
 
 
 def test_fsdp1_cpu_offload_is_refused_on_cpu(tmp_path: Path) -> None:
-    proc = cli("train", "strategy.name=fsdp1", "strategy.fsdp1.cpu_offload=true",
-               f"run.dir={tmp_path}", timeout=120)
+    proc = dtlab("train", "strategy.name=fsdp1", "strategy.fsdp1.cpu_offload=true",
+                 f"run.dir={tmp_path}")
     assert proc.returncode == 2
     assert proc.stderr.strip().endswith(
         "fix: on CPU use strategy.name=fsdp with strategy.fsdp.cpu_offload=true")
@@ -132,7 +132,7 @@ def test_run_writes_metrics_summary_and_config(reference: Path) -> None:
 
 
 def test_metric_lines_are_printed(tmp_path: Path) -> None:
-    proc = cli("train", "train.max_steps=3", "run.log_every=1", f"run.dir={tmp_path}")
+    proc = dtlab("train", "train.max_steps=3", "run.log_every=1", f"run.dir={tmp_path}")
     lines = [x for x in proc.stdout.splitlines() if x.startswith("[METRIC] ")]
     assert proc.returncode == 0 and len(lines) == 3 + 1 + 1  # steps, evaluation, summary
     assert lines[0].startswith("[METRIC] step=1 epoch=0 loss=")

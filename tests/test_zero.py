@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS, ROOT, cli, free_port, max_rel_dev, step_losses, train
+import ranks
+from conftest import CONFIGS, ROOT, dtlab, fast_launches, free_port, max_rel_dev, step_losses, train
 
 from dtlab.compare import param_deviation, parse_spec
 from dtlab.config import ConfigError, check_world, load_config
@@ -52,8 +53,9 @@ def assert_matches_single(run: Path, single: Path) -> None:
 @pytest.fixture(scope="module")
 def parity(session_dir: Path) -> Path:
     out = session_dir / "zero"
-    proc = cli("compare", "--strategies", ",".join(SPECS), "--nproc-per-node", "2", "--verify",
-               "--out", str(out), *COMMON, timeout=600)
+    with fast_launches():
+        proc = dtlab("compare", "--strategies", ",".join(SPECS), "--nproc-per-node", "2",
+                     "--verify", "--out", str(out), *COMMON)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"verify passed: {STEPS} steps vs single" in proc.stdout
     return out
@@ -104,7 +106,7 @@ def test_zero1_checkpoints_resume_and_load_into_ddp(session_dir: Path) -> None:
     a = session_dir / "zero1-ckpt"
     train(a, "strategy.name=zero1", "train.max_steps=12", "train.checkpoint_every=6", nproc=2)
     step6 = a / "checkpoints" / "step_000006"
-    for name, nproc in (("zero1", 1), ("ddp", 1)):  # 1 rank: in-process, quick
+    for name, nproc in (("zero1", 1), ("ddp", 1)):  # 1 rank (a process group of one)
         b = session_dir / f"zero1-ckpt-{name}-{nproc}"
         train(b, f"strategy.name={name}", "train.max_steps=12", f"resume={step6}", nproc=nproc)
         assert max_rel_dev(step_losses(b)[-6:], step_losses(a)[-6:]) < TOL
@@ -114,14 +116,16 @@ def test_zero1_with_a_ddp_comm_hook_matches_ddp_with_it(session_dir: Path) -> No
     """A comm hook only changes DDP's gradient all-reduce; ZeRO-1 then steps on the same gradients
     (PowerSGD: stateful, low-rank, error feedback). local_sgd is refused (below)."""
     out = session_dir / "zero1-powersgd"
-    proc = cli("compare", "--strategies", "ddp,zero1", "--nproc-per-node", "2", "--out", str(out),
-               "train.max_steps=12", "strategy.ddp.comm_hook=powersgd", "run.log_every=1")
+    with fast_launches():
+        proc = dtlab("compare", "--strategies", "ddp,zero1", "--nproc-per-node", "2", "--out",
+                     str(out), "train.max_steps=12", "strategy.ddp.comm_hook=powersgd",
+                     "run.log_every=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert max_rel_dev(step_losses(out / "zero1"), step_losses(out / "ddp")) < 1e-6
 
 
 def refusal(*args: str) -> str:
-    proc = cli("train", *args)
+    proc = dtlab("train", *args)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dtlab: error: ") and "fix:" in lines[0]
@@ -135,11 +139,9 @@ def test_overlap_with_ddp_is_refused_on_gloo() -> None:
         check_world(load_config(None, ["strategy.name=zero1", "strategy.ddp.comm_hook=local_sgd"]), 2)
 
 
-def test_missing_deepspeed_is_one_line() -> None:
-    code = ("import sys; sys.modules['deepspeed'] = None; from dtlab.cli import main; "
-            "sys.exit(main(['train', '--nproc-per-node', '2', 'strategy.name=deepspeed']))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
+def test_missing_deepspeed_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # what an absent package looks like
+    proc = dtlab("train", "--nproc-per-node", "2", "strategy.name=deepspeed")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "pip install 'dtlab[deepspeed]'" in proc.stderr
 
@@ -207,8 +209,8 @@ def test_deepspeed_launcher(parity: Path, session_dir: Path) -> None:
 def test_deepspeed_non_finite_gradient_stops_before_the_step(session_dir: Path) -> None:
     """dtlab's check sees DeepSpeed's global norm of the partitioned gradients (one rank here:
     the norm is the same code path, without a second process to start)."""
-    proc = cli("train", "strategy.name=deepspeed", "strategy.deepspeed.zero_stage=3",
-               "train.max_steps=3", "run.fault.kind=nan", "run.fault.step=2",
-               f"run.dir={session_dir / 'ds-nan'}")
+    proc = ranks.train(1, "strategy.name=deepspeed", "strategy.deepspeed.zero_stage=3",
+                       "train.max_steps=3", "run.fault.kind=nan", "run.fault.step=2",
+                       f"run.dir={session_dir / 'ds-nan'}")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "non-finite gradient (norm inf) at step 2" in proc.stderr
