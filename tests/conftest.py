@@ -52,6 +52,7 @@ def _pin_xdist_worker() -> None:
 
 
 _pin_xdist_worker()
+ranks.memoize_synthetic_images()  # for the runs made in this process too
 
 
 # ------------------------------------------------------------------------------ the CLI
@@ -229,6 +230,13 @@ def split_command(line: str) -> list[str] | None:
     if any(c in line for c in "$|&;<>`()*?~") or not line.startswith("dtlab "):
         return None
     return shlex.split(line)[1:]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _forkserver() -> None:
+    """Each worker's forkserver (tests/ranks.py) starts before its first test, whoever uses it
+    first (ranks.start, or torch.multiprocessing with start_method="forkserver")."""
+    ranks.ensure_forkserver()
 
 
 @pytest.fixture(scope="session")
