@@ -274,12 +274,13 @@ GROUPS = {"test_report_browser": "sweep", "test_sweep": "sweep", "test_slurm": "
 # --no-loadscope-reorder xdist hands out groups in collection order, each to the worker that
 # runs out of work first, so the long ones start first and the short ones fill both workers
 # up to the end (xdist's default order, by test count, would start the one-test chapters last).
-COST = {"slurm": 150, "guide-03-fsdp.md": 116, "test_train_features": 90, "test_reliability": 90,
-        "guide-08-failure-modes.md": 86, "test_zero": 75, "guide-02-ddp.md": 71, "sweep": 70,
-        "guide-05-model-parallel.md": 66, "test_estimate": 50, "guide-04-zero.md": 49,
-        "guide-07-communication.md": 45, "test_launch": 40, "test_ddp_hooks": 40,
-        "test_model_parallel": 38, "test_parity": 30, "test_comm": 22, "guide-01-single.md": 15,
-        "test_doctor": 13, "test_breakdown": 12, "test_config": 12, "test_data": 10}
+COST = {"slurm": 95, "guide-03-fsdp.md": 78, "test_train_features": 65,
+        "guide-08-failure-modes.md": 61, "test_reliability": 55, "guide-02-ddp.md": 50,
+        "test_zero": 50, "guide-05-model-parallel.md": 45, "sweep": 45, "test_launch": 35,
+        "guide-04-zero.md": 32, "test_ddp_hooks": 25, "test_model_parallel": 25,
+        "guide-07-communication.md": 22, "test_parity": 20, "test_estimate": 15, "test_doctor": 10,
+        "test_breakdown": 7, "test_comm": 6, "test_config": 6, "guide-01-single.md": 4,
+        "test_data": 4}
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -106,15 +106,24 @@ def start(nproc: int, argv: list[str], target: Callable[[list[str]], int] = _tra
                             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
                             "MASTER_PORT": str(port)}
                 # what dtlab's launch() exports: threads per rank = cores / local ranks
-                environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
+                threads = max(1, len(os.sched_getaffinity(0)) // nproc)
+                environ.setdefault("OMP_NUM_THREADS", str(threads))
             p = _CTX.Process(target=_rank, args=(target, argv, environ, os.getcwd(),
                                                   f"{logs}/{rank}.out", f"{logs}/{rank}.err"))
             p.start()
             procs.append(p)
         _wait(procs, timeout, grace_s)
         codes = {rank: p.exitcode for rank, p in enumerate(procs)}
-        stdout = "".join(Path(logs, f"{r}.out").read_text(errors="replace") for r in codes)
-        stderr = "".join(Path(logs, f"{r}.err").read_text(errors="replace") for r in codes)
+
+        def read(name: str) -> str:  # absent: the rank failed before it reached _rank
+            path = Path(logs, name)
+            return path.read_text(errors="replace") if path.exists() else ""
+
+        stdout = "".join(read(f"{r}.out") for r in codes)
+        stderr = ""
+        for r, c in codes.items():
+            err = read(f"{r}.err")
+            stderr += err if err or not c else f"[rank {r}: exit {c} before its output was set up]\n"
     code = 0
     if any(codes.values()):
         with contextlib.redirect_stderr(io.StringIO()) as said:
