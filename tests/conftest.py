@@ -1,5 +1,5 @@
 """Shared helpers: run the real CLI (in a subprocess, or in this process where no process group is
-needed), train several runs in one real gloo process group, and read what a run wrote."""
+needed), start runs on real ranks (tests/ranks.py), read what a run wrote; the xdist set-up."""
 
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ def _pin_xdist_worker() -> None:
     """Give each pytest-xdist worker its own share of the cores (inherited by every process it
     starts). A dtlab rank sets its threads to the cores it may use / ranks per node; unpinned,
     a 1-rank run on a 2-core machine starts 2 OpenMP threads while the other worker keeps the
-    second core busy, and OpenMP's barrier then waits on a descheduled thread: steps measured
-    5x slower (0.36 s instead of 0.075 s for the quick CNN). Pinned, every rank runs 1 thread per
-    core it owns. DTLAB_TEST_NO_PIN=1 turns this off."""
+    second core busy, and OpenMP's barrier then waits on a descheduled thread (the quick CNN's
+    step measured here on a busy machine: 0.36 s with 2 threads, 0.075 s with 1). Pinned, every
+    rank runs 1 thread per core it owns. DTLAB_TEST_NO_PIN=1 turns this off."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if not worker.startswith("gw") or count < 2 or os.environ.get("DTLAB_TEST_NO_PIN") == "1":
