@@ -1,5 +1,5 @@
 """Shared helpers: run the real CLI (in a subprocess, or in this process where no process group is
-needed), train several runs in one real gloo process group, and read what a run wrote."""
+needed), start runs on real ranks (tests/ranks.py), read what a run wrote; the xdist set-up."""
 
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ def _pin_xdist_worker() -> None:
     """Give each pytest-xdist worker its own share of the cores (inherited by every process it
     starts). A dtlab rank sets its threads to the cores it may use / ranks per node; unpinned,
     a 1-rank run on a 2-core machine starts 2 OpenMP threads while the other worker keeps the
-    second core busy, and OpenMP's barrier then waits on a descheduled thread: steps measured
-    5x slower (0.36 s instead of 0.075 s for the quick CNN). Pinned, every rank runs 1 thread per
-    core it owns. DTLAB_TEST_NO_PIN=1 turns this off."""
+    second core busy, and OpenMP's barrier then waits on a descheduled thread (the quick CNN's
+    step measured here on a busy machine: 0.36 s with 2 threads, 0.075 s with 1). Pinned, every
+    rank runs 1 thread per core it owns. DTLAB_TEST_NO_PIN=1 turns this off."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if not worker.startswith("gw") or count < 2 or os.environ.get("DTLAB_TEST_NO_PIN") == "1":
@@ -52,6 +52,7 @@ def _pin_xdist_worker() -> None:
 
 
 _pin_xdist_worker()
+ranks.memoize_synthetic_images()  # for the runs made in this process too
 
 
 # ------------------------------------------------------------------------------ the CLI
@@ -231,6 +232,13 @@ def split_command(line: str) -> list[str] | None:
     return shlex.split(line)[1:]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _forkserver() -> None:
+    """Each worker's forkserver (tests/ranks.py) starts before its first test, whoever uses it
+    first (ranks.start, or torch.multiprocessing with start_method="forkserver")."""
+    ranks.ensure_forkserver()
+
+
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("runs")
@@ -266,12 +274,13 @@ GROUPS = {"test_report_browser": "sweep", "test_sweep": "sweep", "test_slurm": "
 # --no-loadscope-reorder xdist hands out groups in collection order, each to the worker that
 # runs out of work first, so the long ones start first and the short ones fill both workers
 # up to the end (xdist's default order, by test count, would start the one-test chapters last).
-COST = {"slurm": 150, "guide-03-fsdp.md": 116, "test_train_features": 90, "test_reliability": 90,
-        "guide-08-failure-modes.md": 86, "test_zero": 75, "guide-02-ddp.md": 71, "sweep": 70,
-        "guide-05-model-parallel.md": 66, "test_estimate": 50, "guide-04-zero.md": 49,
-        "guide-07-communication.md": 45, "test_launch": 40, "test_ddp_hooks": 40,
-        "test_model_parallel": 38, "test_parity": 30, "test_comm": 22, "guide-01-single.md": 15,
-        "test_doctor": 13, "test_breakdown": 12, "test_config": 12, "test_data": 10}
+COST = {"slurm": 95, "guide-03-fsdp.md": 78, "test_train_features": 65,
+        "guide-08-failure-modes.md": 61, "test_reliability": 55, "guide-02-ddp.md": 50,
+        "test_zero": 50, "guide-05-model-parallel.md": 45, "sweep": 45, "test_launch": 35,
+        "guide-04-zero.md": 32, "test_ddp_hooks": 25, "test_model_parallel": 25,
+        "guide-07-communication.md": 22, "test_parity": 20, "test_estimate": 15, "test_doctor": 10,
+        "test_breakdown": 7, "test_comm": 6, "test_config": 6, "guide-01-single.md": 4,
+        "test_data": 4}
 
 
 @pytest.hookimpl(tryfirst=True)

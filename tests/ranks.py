@@ -31,11 +31,28 @@ from pathlib import Path
 from dtlab.launch import launch as real_launch
 
 # Imported once by the forkserver, before it forks any rank (what every rank needs; optimizers
-# import torch._dynamo on first use, the slowest part of a rank's start).
+# import torch._dynamo on first use, the slowest part of a rank's start); forkserver_init last.
 PRELOAD = ["dtlab.train", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint",
-           "torch.nn.parallel", "safetensors.torch"]
+           "torch.nn.parallel", "safetensors.torch", "forkserver_init"]
 _CTX = multiprocessing.get_context("forkserver")
-_CTX.set_forkserver_preload(PRELOAD)  # (the forkserver starts on first use, once per process)
+_CTX.set_forkserver_preload(PRELOAD)
+
+
+def ensure_forkserver() -> None:
+    """Start this process's forkserver (once) with tests/ on its module path: Python 3.11's
+    forkserver imports its preload modules before it applies the parent's sys.path."""
+    from multiprocessing import forkserver
+
+    before = os.environ.get("PYTHONPATH")
+    tests = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join([tests, before] if before else [tests])
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 def _rank(target: Callable[[list[str]], int], argv: list[str], environ: dict[str, str], cwd: str,
@@ -78,6 +95,7 @@ def start(nproc: int, argv: list[str], target: Callable[[list[str]], int] = _tra
     runs). Returns the exit code (dtlab's launcher rules) and the ranks' output, rank by rank."""
     from dtlab.launch import report_failures
 
+    ensure_forkserver()
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         procs = []
@@ -88,15 +106,24 @@ def start(nproc: int, argv: list[str], target: Callable[[list[str]], int] = _tra
                             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
                             "MASTER_PORT": str(port)}
                 # what dtlab's launch() exports: threads per rank = cores / local ranks
-                environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
+                threads = max(1, len(os.sched_getaffinity(0)) // nproc)
+                environ.setdefault("OMP_NUM_THREADS", str(threads))
             p = _CTX.Process(target=_rank, args=(target, argv, environ, os.getcwd(),
                                                   f"{logs}/{rank}.out", f"{logs}/{rank}.err"))
             p.start()
             procs.append(p)
         _wait(procs, timeout, grace_s)
         codes = {rank: p.exitcode for rank, p in enumerate(procs)}
-        stdout = "".join(Path(logs, f"{r}.out").read_text(errors="replace") for r in codes)
-        stderr = "".join(Path(logs, f"{r}.err").read_text(errors="replace") for r in codes)
+
+        def read(name: str) -> str:  # absent: the rank failed before it reached _rank
+            path = Path(logs, name)
+            return path.read_text(errors="replace") if path.exists() else ""
+
+        stdout = "".join(read(f"{r}.out") for r in codes)
+        stderr = ""
+        for r, c in codes.items():
+            err = read(f"{r}.err")
+            stderr += err if err or not c else f"[rank {r}: exit {c} before its output was set up]\n"
     code = 0
     if any(codes.values()):
         with contextlib.redirect_stderr(io.StringIO()) as said:
@@ -123,6 +150,29 @@ def _wait(procs: list[multiprocessing.process.BaseProcess], timeout: float, grac
         time.sleep(0.05)
     for p in procs:
         p.join()
+
+
+def memoize_synthetic_images() -> None:
+    """Generate each synthetic image set once per process: dtlab.data.synthetic_images is a pure
+    function of (config, seed, device), and the quick config's 5,120 images take 1.1 s to make,
+    half of what a rank of a short test run needs (forkserver_init makes them before forking).
+    Each call returns new dataset objects over the same (never modified) tensors."""
+    import dtlab.data
+    from dtlab.data.arrays import ArrayDataset
+
+    real = dtlab.data.synthetic_images  # what build_datasets calls
+    if getattr(real, "memoized", False):
+        return
+    made: dict[tuple[str, int, str], tuple[ArrayDataset, ArrayDataset]] = {}
+
+    def synthetic_images(cfg, seed, device):  # dtlab's signature
+        key = (cfg.model_dump_json(), seed, str(device))
+        if key not in made:
+            made[key] = real(cfg, seed, device)
+        return tuple(ArrayDataset(d.inputs, d.targets, d.transform) for d in made[key])
+
+    synthetic_images.memoized = True
+    dtlab.data.synthetic_images = synthetic_images
 
 
 def _free_port() -> int:
