@@ -89,7 +89,7 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 EOF
 
 runuser -u munge -- /usr/sbin/munged
-slurmctld
+slurmctld -c  # a fresh start: jobs of an earlier cluster (e.g. a killed test) are not run again
 slurmd
 for _ in $(seq 1 100); do
   if answers; then echo "local SLURM is running ($cpus CPUs)"; exit 0; fi

@@ -30,6 +30,14 @@ CONFIGS = ROOT / "configs"
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+ALL_CPUS = frozenset(os.sched_getaffinity(0))  # before pinning: what daemons the suite starts get
+
+
+def unpinned() -> None:
+    """preexec_fn for a process that must see every core (the SLURM daemons size the node by it)."""
+    os.sched_setaffinity(0, ALL_CPUS)
+
+
 def _pin_xdist_worker() -> None:
     """Give each pytest-xdist worker its own share of the cores (inherited by every process it
     starts). A dtlab rank sets its threads to the cores it may use / ranks per node; unpinned,
@@ -41,7 +49,7 @@ def _pin_xdist_worker() -> None:
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if not worker.startswith("gw") or count < 2 or os.environ.get("DTLAB_TEST_NO_PIN") == "1":
         return
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = sorted(ALL_CPUS)
     if len(cpus) < count:
         return
     share = cpus[int(worker[2:]) % count::count]
@@ -53,6 +61,32 @@ def _pin_xdist_worker() -> None:
 
 _pin_xdist_worker()
 ranks.memoize_synthetic_images()  # for the runs made in this process too
+
+
+# ------------------------------------------------------------------------------ local SLURM
+LOCAL_SLURM = ROOT / "scripts" / "local_slurm.sh"
+
+
+@pytest.fixture(scope="session")
+def local_slurm() -> Iterator[None]:
+    """A running one-node SLURM cluster (tests/test_slurm.py, guide chapter 06). Started unpinned,
+    so that the node has every core; stopped at the end when this session started it, left alone
+    when it was running before. Skips when SLURM is missing and cannot be installed or started."""
+    import shutil
+
+    running_before = subprocess.run([LOCAL_SLURM, "--status"]).returncode == 0
+    if not running_before:
+        have = all(shutil.which(c) for c in ("slurmctld", "slurmd", "munged"))
+        if not have and (os.geteuid() != 0 or not shutil.which("apt-get")):
+            pytest.skip("SLURM is not installed and cannot be installed here (needs root and apt)")
+        if os.geteuid() != 0:
+            pytest.skip("the local SLURM cluster is not running and starting it needs root")
+        proc = subprocess.run([LOCAL_SLURM], capture_output=True, text=True, timeout=600,
+                              preexec_fn=unpinned)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    yield
+    if not running_before:
+        subprocess.run([LOCAL_SLURM, "--stop"], capture_output=True, timeout=60)
 
 
 # ------------------------------------------------------------------------------ the CLI

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-from conftest import CONFIGS, ROOT, cli
+from conftest import ALL_CPUS, CONFIGS, ROOT, cli
 
 from dtlab.config import load_config
 from dtlab.sweeps.slurm import render
@@ -37,19 +34,12 @@ def test_sbatch_script_maps_ranks_and_rendezvous(tmp_path: Path) -> None:
     assert "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$SLURM_JOB_ID" in script
 
 
-@pytest.fixture(scope="module")
-def slurm_cluster() -> None:
-    have = all(shutil.which(c) for c in ("slurmctld", "slurmd", "munged"))
-    if not have and (os.geteuid() != 0 or not shutil.which("apt-get")):
-        pytest.skip("SLURM is not installed and cannot be installed here (needs root and apt)")
-    if os.geteuid() != 0 and subprocess.run([ROOT / "scripts/local_slurm.sh", "--status"]).returncode:
-        pytest.skip("the local SLURM cluster is not running and starting it needs root")
-    proc = subprocess.run([ROOT / "scripts/local_slurm.sh"], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_local_slurm_is_safe_to_rerun(local_slurm: None) -> None:
     again = subprocess.run([ROOT / "scripts/local_slurm.sh"], capture_output=True, text=True,
                            timeout=60)
-    assert again.returncode == 0 and "local SLURM is running" in again.stdout  # safe to re-run
+    assert again.returncode == 0 and "local SLURM is running" in again.stdout, again.stderr
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%c"], capture_output=True, text=True)
+    assert int(nodes.stdout.split()[0]) == len(ALL_CPUS)  # the node has every core, not a pinned share
 
 
 SPEC = """
@@ -63,7 +53,7 @@ slurm: {{poll_s: 1}}
 """
 
 
-def test_sweep_on_slurm_with_srun_and_torchrun(slurm_cluster: None, tmp_path: Path) -> None:
+def test_sweep_on_slurm_with_srun_and_torchrun(local_slurm: None, tmp_path: Path) -> None:
     spec = tmp_path / "spec.yaml"
     spec.write_text(SPEC.format(base=CONFIGS / "quick.yaml"))
     proc = cli("sweep", str(spec), "--launcher", "slurm", "--out", str(tmp_path / "o"), timeout=600)
