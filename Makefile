@@ -1,6 +1,7 @@
-# `make demo` and `make test` bootstrap .venv on a fresh machine.
-# torch is installed first, pinned to the CPU build that lies on this machine's disk, and only when
-# no torch >= 2.6 is importable: an unpinned `torch` would pull a multi-GB CUDA build.
+# `make demo` and `make test` bootstrap .venv on a fresh machine. The venv is hermetic (no
+# --system-site-packages): it holds what pyproject.toml declares and nothing the machine happens to
+# have. torch is installed first, pinned: an unpinned `torch` would pull a multi-GB CUDA build (here
+# the pin resolves to the CPU wheel on this machine's disk, ~20 s).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -11,10 +12,9 @@ STAMP  := $(VENV)/.dtlab-installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -c "import sys, torch; v = tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(v < (2, 6))" 2>/dev/null \
-		|| $(PY) -m pip install -q "$(TORCH_PIN)"
+$(STAMP): pyproject.toml Makefile
+	grep -qs '^include-system-site-packages = false' $(VENV)/pyvenv.cfg || { rm -rf $(VENV); $(PYTHON) -m venv $(VENV); }
+	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e '.[dev,deepspeed]'  # torch is already there: deepspeed keeps it
 	touch $(STAMP)
 
