@@ -42,6 +42,13 @@ fi
 if [[ $(id -u) != 0 ]]; then
   echo "local_slurm.sh: starting the daemons needs root (run it with sudo)" >&2; exit 1
 fi
+# Two starts at once (two test sessions) would race for munged's socket: the second waits here,
+# then finds the cluster running.
+exec 9>/run/dtlab-slurm.lock
+flock 9
+if alive /run/dtlab-slurmctld.pid && alive /run/dtlab-slurmd.pid && answers; then
+  echo "local SLURM is running"; exit 0
+fi
 
 if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null; then
   export DEBIAN_FRONTEND=noninteractive
