@@ -23,8 +23,6 @@ from dtlab.strategies.base import StepEngine, Strategy
 
 @dataclass
 class Training:
-    """The pieces one run trains with."""
-
     strategy: Strategy
     model: nn.Module  # the wrapped model (its state)
     forward: nn.Module  # what the loop calls: the model, or its compiled form
@@ -39,8 +37,6 @@ class Training:
 
 @dataclass
 class RunState:
-    """The story of one run: where it is, how long its steps took, what it evaluated."""
-
     total_steps: int
     steps_per_epoch: int
     start: int = 0  # the step the run began at (> 0 when resumed)

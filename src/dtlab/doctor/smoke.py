@@ -137,7 +137,6 @@ def _report(output: str, returncode: int) -> dict:
 
 
 # ---- one rank (runs in the child process) ------------------------------------------------------
-
 class Mismatch(Exception):
     pass
 

@@ -96,7 +96,7 @@ def plan_of(cfg: Config, ranks_per_node: int) -> Plan | None:
         return None
     offload = bool(getattr(getattr(cfg.strategy, spec.name, None), "cpu_offload", False))
     group = spec.shard_group(cfg, ranks_per_node) if spec.shard_group else None
-    return Plan(spec.ideal_layout(cfg), offload, group)
+    return Plan(spec.layout(cfg) if spec.layout else Kind.REPLICATED, offload, group)
 
 
 def exact_state(cfg: Config, world: int, ranks_per_node: int,

@@ -138,8 +138,8 @@ def ranks_to_measure(cfg: Config, world: int, first: list[tuple[int, int]] | Non
     FSDP1 counts its shard only if a parameter has an element in it). Else replicas (ddp,
     NO_SHARD) or torch.chunk shards (FSDP2; DTensor for tp): coordinate 0 of a mesh dimension
     holds ceil(d / n) rows of every tensor, no rank more; pp: the first replica's stages."""
-    if model_parallel_size(cfg, world) > 1:  # mesh (dp, mp), row-major: the first replica
-        return set(range(model_parallel_size(cfg, world)))
+    if (mp := model_parallel_size(cfg, world)) > 1:  # mesh (dp, mp), row-major: the first replica
+        return set(range(mp))
     chosen, best = {0}, -1
     for r in sorted(range(world), key=lambda r: (-first[r][0], -first[r][1], r)) if first else ():
         if first[r][1] > best:

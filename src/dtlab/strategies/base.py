@@ -36,14 +36,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast(precision: str, device: torch.device) -> AbstractContextManager[Any]:
-    """bf16/fp16 autocast on the device, nothing for fp32."""
     if precision == "fp32":
         return nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[precision])
 
 
 class Strategy:
-    name = "base"
     wrapper_casts = False  # the wrapper applies mixed precision itself (no autocast on top)
     sharded_grads = False  # gradients are shards: fp16 loss scaling needs ShardedGradScaler
     no_sync_is_local = False  # no_sync() skips every collective (a compute-only step is measurable)
@@ -77,7 +75,6 @@ class Strategy:
         raise NotImplementedError(f"{type(self).__name__} must wrap the model")
 
     def setup(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """The wrapped model and the optimizer over what it holds on this rank (its shards)."""
         model = self.wrap(model)
         return model, build_optimizer(model.parameters(), self.cfg.train)
 
@@ -103,7 +100,6 @@ class Strategy:
         return nullcontext() if self.wrapper_casts else autocast(self.precision, self.ctx.device)
 
     def grad_scaler(self) -> torch.amp.GradScaler | None:
-        """fp16 needs loss scaling; bf16 and fp32 do not."""
         if self.precision != "fp16":
             return None
         if self.sharded_grads:
@@ -205,7 +201,6 @@ class StepEngine:
         self.optimizer.zero_grad(set_to_none=True)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """What to backpropagate: the loss, scaled for fp16."""
         return self.scaler.scale(loss) if self.scaler else loss
 
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, loss_hook: LossHook,
@@ -240,7 +235,6 @@ class StepEngine:
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full (unsharded, reduced) value; a plain tensor as it is."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 

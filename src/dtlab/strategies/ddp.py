@@ -15,7 +15,6 @@ from dtlab.strategies.base import Strategy
 
 
 class DDP(Strategy):
-    name = "ddp"
     no_sync_is_local = True
 
     def wrap(self, model: nn.Module) -> nn.Module:

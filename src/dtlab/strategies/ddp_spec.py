@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 
 from dtlab.errors import ConfigError
 from dtlab.options import Section
-from dtlab.strategies.spec import StrategySpec, ring_all_reduce
-
-if TYPE_CHECKING:
-    from dtlab.config import Config
+from dtlab.strategies.spec import Config, StrategySpec, ring_all_reduce
 
 
 class DDPOptions(Section):

@@ -58,7 +58,6 @@ def import_deepspeed(device: torch.device, shm_comm: bool) -> Any:
 
 
 class DeepSpeed(Strategy):
-    name = "deepspeed"
     wrapper_casts = True  # bf16/fp16: DeepSpeed keeps low-precision parameters itself
 
     def setup(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -13,12 +13,10 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dtlab.errors import ConfigError
-
-if TYPE_CHECKING:
-    from dtlab.config import Config
+from dtlab.strategies.spec import Config
 
 DEFAULT_STAGE = 2
 # strategy.deepspeed.<option> -> zero_optimization.<key>, for the options that map one to one.
@@ -128,7 +126,6 @@ def deepspeed_config(cfg: Config, world_size: int, device_type: str = "cpu") -> 
     ds["zero_force_ds_cpu_optimizer"] = False
     ds.setdefault("steps_per_print", 2**31 - 1)  # dtlab logs the steps itself
     return ds
-
 
 
 def zero_stage(cfg: Config) -> int:

@@ -34,14 +34,12 @@ import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from dtlab.errors import DtlabError
-
-if TYPE_CHECKING:
-    from dtlab.config import Config
+from dtlab.strategies.spec import Config
 
 MASTER = {"single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_partitioned_groups"}
 GRADS = {"averaged_gradients", "all_grad_tensors", "grads_in_partition", "grad_partitions_flat_buffer",

@@ -3,16 +3,13 @@ DeepSpeed config it builds: deepspeed_config.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import PositiveInt
 
 from dtlab.errors import ConfigError
 from dtlab.options import Section
-from dtlab.strategies.spec import StrategySpec
-
-if TYPE_CHECKING:
-    from dtlab.config import Config
+from dtlab.strategies.spec import Config, StrategySpec
 
 
 class DeepSpeedOptions(Section):

@@ -22,7 +22,6 @@ from dtlab.strategies.fsdp_spec import FSDPOptions
 
 def shard(model: nn.Module, mesh: DeviceMesh, o: FSDPOptions, precision: str,
           device: torch.device) -> nn.Module:
-    """fully_shard each block, then the root (what remains), over `mesh` (1-D)."""
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": o.reshard_after_forward}
     if precision != "fp32":
         dtype = DTYPES[precision]
@@ -49,7 +48,6 @@ def without_gradient_sync(model: nn.Module) -> Iterator[None]:
 
 
 class FSDP(Strategy):
-    name = "fsdp"
     wrapper_casts = True  # MixedPrecisionPolicy runs the forward in the low precision
     sharded_grads = True
 

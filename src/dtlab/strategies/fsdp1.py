@@ -28,7 +28,6 @@ from dtlab.strategies.base import DTYPES, Strategy
 
 
 class FSDP1(Strategy):
-    name = "fsdp1"
     wrapper_casts = True  # MixedPrecision casts parameters and inputs itself
     sharded_grads = True
 

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import NonNegativeInt, PositiveInt
 
 from dtlab.errors import ConfigError
 from dtlab.options import Section
-from dtlab.strategies.spec import StrategySpec, ring_all_reduce, sharded_data_parallel
-
-if TYPE_CHECKING:
-    from dtlab.config import Config
+from dtlab.strategies.spec import Config, StrategySpec, ring_all_reduce, sharded_data_parallel
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 LAYOUTS = {"FULL_SHARD": "zero3", "HYBRID_SHARD": "zero3", "SHARD_GRAD_OP": "zero2",

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dtlab.errors import ConfigError
 from dtlab.options import Section
-from dtlab.strategies.spec import StrategySpec, sharded_data_parallel
-
-if TYPE_CHECKING:
-    from dtlab.config import Config
+from dtlab.strategies.spec import Config, StrategySpec, sharded_data_parallel
 
 
 class FSDPOptions(Section):
-    """FSDP2 (`fully_shard`), applied to every block and then to the root."""
-
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     reduce_fp32: bool = True  # with train.precision bf16/fp16: reduce gradients in fp32

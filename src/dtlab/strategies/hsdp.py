@@ -20,8 +20,6 @@ from dtlab.strategies.hsdp_spec import shard_size
 
 
 class HSDP(FSDP):
-    name = "hsdp"
-
     def wrap(self, model: nn.Module) -> nn.Module:
         ctx = self.ctx
         self.shard_size = shard_size(self.cfg, ctx.world_size, ctx.env.local_world_size)

@@ -3,16 +3,13 @@ checks (implementation: hsdp.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import NonNegativeInt
 
 from dtlab.errors import ConfigError
 from dtlab.strategies import fsdp_spec
-from dtlab.strategies.spec import StrategySpec, ring_all_reduce, sharded_data_parallel
-
-if TYPE_CHECKING:
-    from dtlab.config import Config
+from dtlab.strategies.spec import Config, StrategySpec, ring_all_reduce, sharded_data_parallel
 
 
 class HSDPOptions(fsdp_spec.FSDPOptions):

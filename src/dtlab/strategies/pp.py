@@ -61,8 +61,6 @@ def split_blocks(n_layer: int, n_stages: int) -> list[list[str]]:
 
 
 class PP(Strategy):
-    name = "pp"
-
     # --- splitting ------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
         cfg, ctx, o = self.cfg, self.ctx, self.cfg.strategy.pp
@@ -187,8 +185,7 @@ class PP(Strategy):
 class PipelineStep(StepEngine):
     """The schedule owns each micro batch's forward and backward: it splits the batch into
     microbatches and sends activations and their gradients between the stages. The gradient
-    norm sums the stages' squares over the pipeline. The bubble is measured: each stage's
-    forward and backward calls are timed (busy time) against the schedule's wall time."""
+    norm sums the stages' squares over the pipeline; the bubble: see the module's docstring."""
 
     def __init__(self, strategy: PP, model: nn.Module, forward: nn.Module,
                  optimizer: torch.optim.Optimizer) -> None:

@@ -3,16 +3,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import NonNegativeInt, PositiveInt
 
 from dtlab.errors import ConfigError
 from dtlab.options import Section
-from dtlab.strategies.spec import StrategySpec, check_mesh
-
-if TYPE_CHECKING:
-    from dtlab.config import Config
+from dtlab.strategies.spec import Config, StrategySpec, check_mesh
 
 KEY = "strategy.pp.degree"
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
@@ -20,8 +17,6 @@ MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs")  # several stages per
 
 
 class PPOptions(Section):
-    """Pipeline parallelism (strategy pp; src/dtlab/strategies/pp.py)."""
-
     degree: NonNegativeInt = 0  # ranks per pipeline; 0 = every rank
     schedule: Literal[PP_SCHEDULES] = "1f1b"  # type: ignore[valid-type]
     microbatches: PositiveInt = 4  # per micro batch (each rank's batch is split into these)

@@ -11,10 +11,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from dtlab.errors import ConfigError
-from dtlab.strategies.spec import StrategySpec
+from dtlab.strategies.spec import Config, StrategySpec
 
 if TYPE_CHECKING:
-    from dtlab.config import Config
     from dtlab.distributed import DistContext
     from dtlab.strategies.base import Strategy
 

@@ -8,7 +8,5 @@ from dtlab.strategies.base import Strategy
 
 
 class Single(Strategy):
-    name = "single"
-
     def wrap(self, model: nn.Module) -> nn.Module:
         return self.prepare(model)

@@ -1,10 +1,5 @@
-"""What dtlab knows about a strategy without running it: its description.
-
-Each strategy has an implementation, `<name>.py` (torch, DTensor, DeepSpeed: imported only when a
-run builds it), and beside it a description, `<name>_spec.py`, that imports none of them, so that
-reading a config, checking it and labelling results stay fast. `registry.py` lists the
-descriptions; everything outside `dtlab/strategies/` asks the registry instead of comparing names.
-"""
+"""What dtlab knows about a strategy without running it: its description, `<name>_spec.py`
+(torch-free, beside its implementation `<name>.py`: see the package's docstring)."""
 
 from __future__ import annotations
 
@@ -17,6 +12,8 @@ from dtlab.errors import ConfigError
 if TYPE_CHECKING:
     from dtlab.config import Config
     from dtlab.options import Section
+else:  # *_spec.py import Config from here for annotations; dtlab.config imports them (a cycle)
+    Config = Any
 
 # (the run's strategy_options, parameters, bytes per parameter element communicated, bytes per
 # gradient element, ranks) -> ring bytes each rank sends per optimizer step
@@ -60,9 +57,6 @@ class StrategySpec:
 
     def model_parallel_size(self, cfg: Config, world_size: int) -> int:
         return self.model_parallel(cfg, world_size) if self.model_parallel else 1
-
-    def ideal_layout(self, cfg: Config) -> str:
-        return self.layout(cfg) if self.layout else "ddp"
 
     def label_of(self, options: dict[str, Any]) -> str:
         return self.label(options) if self.label else self.name

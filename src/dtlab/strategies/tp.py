@@ -38,7 +38,6 @@ from torch.distributed.tensor.parallel import (
 
 from dtlab.config import Config, model_parallel_size
 from dtlab.distributed import DistContext
-from dtlab.models import loss_fn
 from dtlab.strategies.base import LossHook, Strategy, full_value
 from dtlab.strategies.fsdp import shard, without_gradient_sync
 
@@ -72,8 +71,6 @@ def _shard_grad_like_param(param: torch.Tensor) -> None:
 
 
 class TP(Strategy):
-    name = "tp"
-
     def __init__(self, cfg: Config, ctx: DistContext) -> None:
         super().__init__(cfg, ctx)
         self.degree = model_parallel_size(cfg, ctx.world_size)
@@ -95,10 +92,8 @@ class TP(Strategy):
                          loss_hook: LossHook) -> torch.Tensor:
         # The cross-entropy of vocabulary-sharded logits, and its backward, under loss_parallel.
         with loss_parallel():
-            with self.autocast():
-                report, root = loss_hook(loss_fn(forward(x), y))
-            root.backward()
-        return full_value(report).detach()  # a replicated DTensor: its local value
+            report = super().forward_backward(forward, x, y, loss_hook)
+        return full_value(report)  # a replicated DTensor: its local value
 
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Over the dp dimension only: the ranks of one tensor-parallel group hold the same value."""
@@ -114,7 +109,6 @@ class TP(Strategy):
 class FSDPTP(TP):
     """2-D: tensor parallelism inside each group of `tp.degree` ranks, FSDP2 across the groups."""
 
-    name = "fsdp_tp"
     wrapper_casts = True  # FSDP's MixedPrecisionPolicy
     sharded_grads = True
 

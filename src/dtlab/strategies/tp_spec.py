@@ -3,23 +3,16 @@ checks (implementation: tp.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pydantic import NonNegativeInt
 
 from dtlab.errors import ConfigError
 from dtlab.options import Section
-from dtlab.strategies.spec import StrategySpec, check_mesh
-
-if TYPE_CHECKING:
-    from dtlab.config import Config
+from dtlab.strategies.spec import Config, StrategySpec, check_mesh
 
 KEY = "strategy.tp.degree"
 
 
 class TPOptions(Section):
-    """Tensor parallelism (strategies tp and fsdp_tp; src/dtlab/strategies/tp.py)."""
-
     degree: NonNegativeInt = 0  # ranks per tensor-parallel group; 0 = every rank
 
 

@@ -17,11 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from dtlab.metrics import state_bytes
@@ -39,7 +35,6 @@ class HookStepped(StepEngine):
 
 
 class Zero1(DDP):
-    name = "zero1"
     no_sync_is_local = False  # the step broadcasts the updated parameters
 
     def setup(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -79,8 +74,7 @@ class Zero1(DDP):
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                    full: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
-        options = StateDictOptions(full_state_dict=full, cpu_offload=False)
-        model_sd = get_model_state_dict(model, options=options)
+        model_sd, _ = super().state_dict(model, None, full)
         if optimizer is None:
             return model_sd, {}
         if full:
@@ -101,11 +95,9 @@ class Zero1(DDP):
         for name, p in self.owned(model, optimizer).items():
             local.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v
                               for k, v in optim_sd["state"][name].items()}
-        saved = optim_sd["param_groups"]
-        for group, old in zip(optimizer.param_groups, saved, strict=True):
-            group.update({k: v for k, v in old.items() if k != "params"})
-        for group, old in zip(local.param_groups, saved, strict=True):
-            group.update({k: v for k, v in old.items() if k != "params"})
+        for groups in (optimizer.param_groups, local.param_groups):
+            for group, old in zip(groups, optim_sd["param_groups"], strict=True):
+                group.update({k: v for k, v in old.items() if k != "params"})
 
     @staticmethod
     def _init_state(optimizer: ZeroRedundancyOptimizer) -> None:
@@ -131,5 +123,4 @@ class Zero1(DDP):
 
 def _named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """Parameter names as in `single` (without DDP's `module.` prefix)."""
-    inner = getattr(model, "module", model)
-    return list(inner.named_parameters())
+    return list(getattr(model, "module", model).named_parameters())

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dtlab.errors import ConfigError
 from dtlab.options import Section
-from dtlab.strategies.spec import StrategySpec
-
-if TYPE_CHECKING:
-    from dtlab.config import Config
+from dtlab.strategies.spec import Config, StrategySpec
 
 
 class Zero1Options(Section):
