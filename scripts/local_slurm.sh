@@ -23,11 +23,20 @@ alive() {  # a pid from a pid file, running and not a zombie (a zombie still pas
 
 answers() { timeout 5 sinfo -h -o '%T' 2>/dev/null | grep -Eq '^(idle|mixed|allocated)'; }
 
-stop() {
+stop() {  # and wait until they are gone: a restart right after must find their ports free
+  local d pidfile pids=()
   for d in slurmd slurmctld munged; do
-    local pidfile=/run/dtlab-$d.pid
+    pidfile=/run/dtlab-$d.pid
     [[ $d == munged ]] && pidfile=/run/munge/munged.pid
-    if alive "$pidfile"; then kill "$(<"$pidfile")" || true; fi
+    if alive "$pidfile"; then pids+=("$(<"$pidfile")"); kill "${pids[-1]}" || true; fi
+  done
+  for _ in $(seq 1 100); do
+    local left=0
+    for pid in "${pids[@]}"; do
+      [[ -r /proc/$pid/status ]] && ! grep -q '^State:[[:space:]]*Z' "/proc/$pid/status" && left=1
+    done
+    (( left )) || return 0
+    sleep 0.1
   done
 }
 
@@ -95,9 +104,9 @@ NodeName=localhost NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb State=UNKNOW
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 EOF
 
-runuser -u munge -- /usr/sbin/munged
-slurmctld -c  # a fresh start: jobs of an earlier cluster (e.g. a killed test) are not run again
-slurmd
+runuser -u munge -- /usr/sbin/munged 9>&-  # the daemons must not inherit (and hold) the lock
+slurmctld -c 9>&-  # a fresh start: jobs of an earlier cluster (e.g. a killed test) are not run again
+slurmd 9>&-
 for _ in $(seq 1 100); do
   if answers; then echo "local SLURM is running ($cpus CPUs)"; exit 0; fi
   sleep 0.2
