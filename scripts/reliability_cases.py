@@ -46,7 +46,7 @@ def collect() -> dict[tuple[str, str], tuple[str, list[str]]]:
     cases: dict[tuple[str, str], list[str]] = defaultdict(list)
     for item in collector.items:
         fn = getattr(item, "function", None)
-        key = (Path(str(item.fspath)).name, getattr(item, "originalname", item.name))
+        key = (item.path.name, getattr(item, "originalname", item.name))
         doc = (fn.__doc__ or "").strip().splitlines() if fn else []
         tests.setdefault(key, (doc[0].strip() if doc else "", cases[key]))
         spec = getattr(item, "callspec", None)
@@ -60,10 +60,11 @@ def table() -> str:
     total = sum(max(1, len(c)) for _, c in tests.values())
     lines = [BEGIN, "",
              f"{total} cases in {len(tests)} tests ({', '.join(f'`tests/{f}`' for f in FILES)}).",
-             "", "| test | what it checks | cases |", "| --- | --- | --- |"]
+             "", "| file | what is checked | cases |", "| --- | --- | --- |"]
     for (file, name), (doc, ids) in tests.items():
-        listed = "; ".join(i.replace("|", "\\|") for i in ids) if ids else "1"
-        lines.append(f"| `{file}::{name}` | {doc.replace('|', chr(92) + '|')} | {listed} |")
+        what = doc or name.removeprefix("test_").replace("_", " ")
+        cells = (f"`{file}`", what, "; ".join(ids) if ids else "1")
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join([*lines, "", END])
 
 
