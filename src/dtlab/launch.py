@@ -13,7 +13,9 @@ import os
 import signal
 import sys
 
+from dtlab import interrupt
 from dtlab.distributed import cpus_available
+from dtlab.interrupt import STOP_SIGNALS
 
 
 def launch(
@@ -27,6 +29,7 @@ def launch(
     rdzv_conf: str = "",
 ) -> int:
     """Run `python -m <module> <worker_args>` on `nproc_per_node` local ranks; return an exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as elastic_run
@@ -41,18 +44,31 @@ def launch(
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={rdzv_id}",
         f"--max-restarts={max_restarts}",
+        # The agent passes these on to every worker and waits for them to stop (dtlab/interrupt.py).
+        f"--signals-to-handle={','.join(s.name for s in STOP_SIGNALS)}",
         *([f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else []),
         "--module",
         module,
         *worker_args,
     ])
     # The workers print their own errors; the agent's log lines would repeat them as noise.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # (torch sets a level on each module's logger: the parent's level alone does not reach them.)
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         elastic_run(args)
     except ChildFailedError as e:
         return report_failures({rank: f.exitcode for rank, f in e.failures.items()})
+    except SignalException as e:  # the workers were stopped with it; rank 0 said where
+        # A second signal cuts the agent's wait for its workers short: wait here, then SIGKILL.
+        with interrupt.handling(), interrupt.forwarding():
+            interrupt.stop_groups(interrupt.descendant_groups(os.getpid()), None, SHUTDOWN_S)
+        return 128 + e.sigval
     return 0
+
+
+SHUTDOWN_S = 30  # torch elastic's own wait for stopped workers before it SIGKILLs them
 
 
 def report_failures(exitcodes: dict[int, int]) -> int:
@@ -62,6 +78,8 @@ def report_failures(exitcodes: dict[int, int]) -> int:
     is another rank's failure.
     (dtlab's workers turn SIGTERM into exit code 128 + 15 so that their cleanup runs.)
     """
+    if all(c in interrupt.INTERRUPT_CODES for c in exitcodes.values()):
+        return max(128 + abs(c) if c < 0 else c for c in exitcodes.values())  # rank 0 said where
     stopped = (-signal.SIGTERM, 128 + signal.SIGTERM)
     causes = {r: c for r, c in exitcodes.items() if c not in stopped} or exitcodes
     # A rank that ignored SIGTERM (busy in CUDA or NCCL set-up) is then SIGKILLed by the agent: a
