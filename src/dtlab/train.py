@@ -95,7 +95,7 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     try:
         return _train(cfg, ctx, run_dir)
     except Interrupted as e:
-        e.where = e.where or f" during set-up{_last_checkpoint(run_dir)}"
+        e.where = e.where or f" during set-up{_last_checkpoint(cfg, run_dir)}"
         raise
 
 
@@ -178,7 +178,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
         done = run.start + len(run.step_times)
         e.where = e.where or (f" after the last step ({done}), before the summary was written; "
                               "resume=auto writes it" if run.done and done == run.step else
-                              f" during step {done + 1}{_last_checkpoint(run_dir)}")
+                              f" during step {done + 1}{_last_checkpoint(cfg, run_dir)}")
         raise
     finally:
         log.close()  # the progress bar too: the terminal is left clean
@@ -226,15 +226,17 @@ def stop_at_boundary(cfg: Config, ctx: DistContext, tr: Training, run: RunState,
         where = (f" at step {run.step}; saved checkpoint step {run.step}; resume=auto continues "
                  "from it")
     else:
-        where = f" at step {run.step}{_last_checkpoint(run_dir)}"
+        where = f" at step {run.step}{_last_checkpoint(cfg, run_dir)}"
     raise Interrupted(signum, where)
 
 
-def _last_checkpoint(run_dir: Path) -> str:
+def _last_checkpoint(cfg: Config, run_dir: Path) -> str:
     found = checkpoint.complete_checkpoints(run_dir, warn=False)
     if found:
         return f"; last checkpoint step {found[-1][0]}; resume=auto continues from it"
-    return "; no checkpoint to resume from (train.checkpoint_every=N saves them)"
+    if cfg.train.checkpoint_every:
+        return "; no checkpoint yet, a rerun starts over"
+    return "; no checkpoint (train.checkpoint_every=0), a rerun starts over"
 
 
 def log_step(cfg: Config, tr: Training, run: RunState, step_loss: torch.Tensor, lr: float,
