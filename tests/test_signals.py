@@ -53,14 +53,14 @@ def interrupt_at(args: list[str], progress: str | Path, sig: signal.Signals, cwd
 
 
 def assert_stopped(proc: subprocess.CompletedProcess[str], groups: set[int],
-                   sig: signal.Signals) -> re.Match[str]:
+                   sig: signal.Signals, processes: int = 2) -> re.Match[str]:
     """Exit code 128 + sig, no traceback, one line saying where, nothing left of the run."""
     output = proc.stdout + proc.stderr
     assert proc.returncode == 128 + sig, output[-3000:]
     assert "Traceback" not in output and "Exception" not in output, output[-3000:]
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"dtlab: interrupted by {sig.name}"), lines
-    assert len(groups) >= 2, groups  # the command started processes of its own
+    assert len(groups) >= processes, groups  # the launcher and each worker: a group of its own
     assert live_groups(groups) == [], "processes of the run are left"
     where = re.search(r" at step (\d+); (?:(saved|last) checkpoint step (\d+)|no checkpoint yet)",
                       lines[0])
@@ -104,11 +104,27 @@ def test_sigint_on_2_rank_train_stops_without_a_checkpoint(tmp_path: Path) -> No
     assert "resume=auto continues from it" in proc.stderr
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_signal_to_compare_stops_the_running_strategy(tmp_path: Path, sig: signal.Signals) -> None:
-    proc, groups = interrupt_at(["compare", "--strategies", "ddp", "--out", str(tmp_path / "c"),
+def test_the_checkpoint_signal_saves_and_stops_2_ranks(tmp_path: Path) -> None:
+    """run.checkpoint_signal=USR1 (for `sbatch --signal=USR1@90`): the launcher passes it on,
+    the ranks save a checkpoint at the step they agree on and stop, exit code 128 + 10."""
+    proc, groups = interrupt_at(["train", "--nproc-per-node", "2", *RUN,
+                                 "train.checkpoint_every=1000", "run.checkpoint_signal=USR1",
+                                 f"run.dir={tmp_path / 'run'}"], "run/progress", signal.SIGUSR1,
+                                tmp_path)
+    where = assert_stopped(proc, groups, signal.SIGUSR1)
+    assert where[2] == "saved" and (tmp_path / "run" / "checkpoints" / f"step_{int(where[1]):06d}"
+                                    / "dtlab-checkpoint.json").is_file()
+
+
+# Ctrl-C on 2 ranks (the launcher and its workers below compare); SIGTERM on `single`, which
+# trains in the `dtlab train` process that compare started.
+@pytest.mark.parametrize(("sig", "strategy"), [(signal.SIGINT, "ddp"), (signal.SIGTERM, "single")],
+                         ids=["SIGINT-ddp", "SIGTERM-single"])
+def test_signal_to_compare_stops_the_running_strategy(tmp_path: Path, sig: signal.Signals,
+                                                      strategy: str) -> None:
+    proc, groups = interrupt_at(["compare", "--strategies", strategy, "--out", str(tmp_path / "c"),
                                  f"train.max_steps={STEPS}", "train.checkpoint_every=1000"],
-                                "c/ddp/progress", sig, tmp_path)
+                                f"c/{strategy}/progress", sig, tmp_path)
     where = assert_stopped(proc, groups, sig)
     assert where[2] == ("saved" if sig == signal.SIGTERM else None), proc.stderr
     assert not (tmp_path / "c" / "compare.csv").exists()  # no table from a stopped comparison
@@ -118,20 +134,22 @@ SWEEP = """
 base: {base}
 overrides: {{train.max_steps: {steps}, train.checkpoint_every: 1000, strategy.name: ddp}}
 matrix:
-  nproc_per_node: [2]
+  nproc_per_node: [{nproc}]
   train.lr: [0.05, 0.02]
 timeout_s: 240
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_signal_to_a_sweep_stops_its_run_and_records_it(tmp_path: Path, sig: signal.Signals) -> None:
+@pytest.mark.parametrize(("sig", "nproc"), [(signal.SIGINT, 1), (signal.SIGTERM, 2)],
+                         ids=["SIGINT-1-rank", "SIGTERM-2-ranks"])
+def test_signal_to_a_sweep_stops_its_run_and_records_it(tmp_path: Path, sig: signal.Signals,
+                                                        nproc: int) -> None:
     spec = tmp_path / "spec.yaml"
-    spec.write_text(SWEEP.format(base=CONFIGS / "quick.yaml", steps=STEPS))
+    spec.write_text(SWEEP.format(base=CONFIGS / "quick.yaml", steps=STEPS, nproc=nproc))
     proc, groups = interrupt_at(["sweep", str(spec), "--out", str(tmp_path / "o")],
                                 "o/runs/*/progress", sig, tmp_path)
     where = assert_stopped(proc, groups, sig)
-    assert "run 'nproc_per_node=2 train.lr=0.05' stopped at step" in proc.stderr
+    assert f"run 'nproc_per_node={nproc} train.lr=0.05' stopped at step" in proc.stderr
     assert "again continues the sweep" in proc.stderr
     assert where[2] == ("saved" if sig == signal.SIGTERM else None), proc.stderr
     records = [json.loads(p.read_text()) for p in (tmp_path / "o").glob("runs/*/run.json")]
