@@ -33,8 +33,8 @@ def test_sbatch_script_maps_ranks_and_rendezvous(tmp_path: Path) -> None:
     run.slurm_mode = "torchrun"
     script = render(run, opts, timeout_s=600, workdir=tmp_path)
     assert "#SBATCH --ntasks-per-node=1" in script and "#SBATCH --cpus-per-task=32" in script
-    assert "--nnodes=$SLURM_NNODES --nproc-per-node=4 --rdzv-backend=c10d" in script
-    assert "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$SLURM_JOB_ID" in script
+    assert "-m dtlab train --nnodes $SLURM_NNODES --nproc-per-node 4" in script
+    assert "--rdzv-endpoint $MASTER_ADDR:$MASTER_PORT --rdzv-id $SLURM_JOB_ID" in script
 
 
 def test_local_slurm_is_safe_to_rerun(local_slurm: None) -> None:

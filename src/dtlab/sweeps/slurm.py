@@ -46,11 +46,11 @@ SRUN = (
     "srun --kill-on-bad-exit=1 bash -c 'export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS "
     "LOCAL_RANK=$SLURM_LOCALID LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE; exec \"$@\"' rank {cmd}"
 )
+# dtlab's own launcher (torch elastic): it passes stop signals on to its workers and stops quietly.
 TORCHRUN = (
-    "srun --kill-on-bad-exit=1 {python} -m torch.distributed.run --nnodes=$SLURM_NNODES "
-    "--nproc-per-node={nproc} --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT "
-    "--rdzv-id=$SLURM_JOB_ID --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2 "
-    "-m dtlab.train --config {config}"
+    "srun --kill-on-bad-exit=1 {python} -m dtlab train --nnodes $SLURM_NNODES "
+    "--nproc-per-node {nproc} --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT "
+    "--rdzv-id $SLURM_JOB_ID --config {config}"
 )
 
 
