@@ -40,6 +40,7 @@ class Interrupted(BaseException):  # like KeyboardInterrupt: `except Exception` 
     def __init__(self, signum: int, where: str = "", quiet: bool = False) -> None:
         super().__init__(signum)
         self.signum, self.where, self.quiet = signum, where, quiet
+        _state.stopping = True  # the process is on its way out: later signals change nothing
 
     @property
     def exit_code(self) -> int:
@@ -57,6 +58,7 @@ class _State:
         self.collateral = False  # a collective failed: peers are gone, the stop is theirs
         self.forward = False  # a parent: pass signals on to the children's process groups
         self.forced = False  # the deadline passed: stop now
+        self.stopping = False  # an Interrupted was raised: cleaning up
         self.timer: threading.Timer | None = None
 
 
@@ -64,6 +66,8 @@ _state = _State()
 
 
 def _handler(signum: int, frame: Any) -> None:
+    if _state.stopping and not _state.forward:
+        return
     repeat = _state.signum is not None
     # SIGTERM after a Ctrl-C (or the checkpoint signal) still asks for the checkpoint: keep the
     # larger number, which is what the ranks agree on too.

@@ -8,10 +8,12 @@ interfaces whatever host it is given (measured with torch 2.13); firewall the no
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 
 from dtlab import interrupt
 from dtlab.distributed import cpus_available
@@ -57,7 +59,8 @@ def launch(
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        elastic_run(args)
+        with _one_signal_stops_the_agent():
+            elastic_run(args)
     except ChildFailedError as e:
         return report_failures({rank: f.exitcode for rank, f in e.failures.items()})
     except SignalException as e:  # the workers were stopped with it; rank 0 said where
@@ -69,6 +72,32 @@ def launch(
 
 
 SHUTDOWN_S = 30  # torch elastic's own wait for stopped workers before it SIGKILLs them
+
+
+@contextlib.contextmanager
+def _one_signal_stops_the_agent() -> Iterator[None]:
+    """torch elastic's agent raises SignalException on every signal: a second one (Ctrl-C twice,
+    or SLURM signalling every process of the job) would cut short its wait for the workers it is
+    stopping, and it then SIGTERMs them again. Here the first signal raises it and later ones are
+    passed on to the workers' process groups (a second Ctrl-C makes them stop at once)."""
+    import torch.distributed.elastic.multiprocessing.api as elastic_api
+
+    original = elastic_api._terminate_process_handler  # installed by PContext.start() by name
+    first: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if not first:
+            first.append(signum)
+            original(signum, frame)  # raises SignalException
+        for pid in interrupt.children(os.getpid()):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signum)
+
+    elastic_api._terminate_process_handler = handler
+    try:
+        yield
+    finally:
+        elastic_api._terminate_process_handler = original
 
 
 def report_failures(exitcodes: dict[int, int]) -> int:

@@ -134,7 +134,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
     try:
         # A signal in the loop stops all ranks after the same step (dtlab/interrupt.py).
         with interrupt.deferred(STOP_DEADLINE_S):
-            boundary = time.perf_counter()
+            boundary, longest = time.perf_counter(), 0.0
             for epoch, step_idx in islice(loader.steps(run.start),
                                           max(0, run.total_steps - run.start)):
                 step = run.begin_step(epoch)
@@ -157,10 +157,11 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
                 if saved:
                     state.save(cfg, ctx, tr, run)
                 stop_at_boundary(cfg, ctx, tr, run, run_dir, bool(saved))
-                # A boundary that does not come within a few of the slowest recent intervals
-                # (step, evaluation, checkpoint) is a hang: a stop then does not wait for it.
+                # A boundary that does not come within 3 x the longest interval between two
+                # (a step with its evaluation and checkpoint) is a hang: a stop does not wait.
                 now = time.perf_counter()
-                interrupt.set_deadline(max(STOP_DEADLINE_S, 3 * (now - boundary)))
+                longest = max(longest, now - boundary)
+                interrupt.set_deadline(max(STOP_DEADLINE_S, 3 * longest))
                 boundary = now
         if not run.evals:  # resumed a finished run: evaluate what it left
             evaluate()
@@ -202,7 +203,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
     return summary
 
 
-STOP_DEADLINE_S = 5.0  # the least time a stop waits for the step boundary
+STOP_DEADLINE_S = 3.0  # the least time a stop waits for the step boundary
 
 
 def checkpoint_signals(cfg: Config) -> set[int]:
