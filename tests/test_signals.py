@@ -87,7 +87,11 @@ def test_sigterm_on_2_rank_train_saves_a_checkpoint_and_resume_is_exact(
     assert 3 <= step < STEPS
     # checkpoint_every=1000: the only checkpoint is the one the signal asked for
     assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step_{step:06d}"]
+    record = json.loads((run / "run.json").read_text())  # what collect and report show
+    assert record["status"] == "interrupted" and record["returncode"] == 143
+    assert record["reason"] == proc.stderr.strip().removeprefix("dtlab: ")
     summary = train(run, *RUN, "train.checkpoint_every=1000", nproc=2)  # resume=auto
+    assert json.loads((run / "run.json").read_text())["status"] == "done"
     assert summary["resumed_from"]["step"] == step and summary["resumed_from"]["lost_steps"] == 0
     # the same per-step losses as without the stop (measured: identical)
     assert max_rel_dev(step_losses(run), uninterrupted) < 1e-6

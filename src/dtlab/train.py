@@ -54,6 +54,7 @@ from dtlab.run_state import RunState, Training
 from dtlab.step import Stepper
 from dtlab.strategies import registry
 from dtlab.summary import comm_breakdown, save_model, summarize
+from dtlab.sweeps.record import now, update_record
 
 
 def build(cfg: Config, ctx: DistContext) -> tuple[Training, Any, TrainLoader, EvalLoader]:
@@ -93,10 +94,16 @@ def total_steps(cfg: Config, loader: TrainLoader) -> int:
 def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     run_dir = Path(cfg.run.dir or "runs/default")
     try:
-        return _train(cfg, ctx, run_dir)
+        summary = _train(cfg, ctx, run_dir)
     except Interrupted as e:
         e.where = e.where or f" during set-up{_last_checkpoint(cfg, run_dir)}"
+        if ctx.is_main and not e.quiet and run_dir.is_dir():  # for collect, report and sweeps
+            update_record(run_dir, status="interrupted", reason=e.line().removeprefix("dtlab: "),
+                          returncode=e.exit_code, finished_at=now())
         raise
+    if ctx.is_main and (run_dir / "run.json").is_file():  # an interrupted run, now complete
+        update_record(run_dir, status="done", reason="", returncode=0, finished_at=now())
+    return summary
 
 
 def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
