@@ -59,6 +59,7 @@ class _State:
         self.forward = False  # a parent: pass signals on to the children's process groups
         self.forced = False  # the deadline passed: stop now
         self.stopping = False  # an Interrupted was raised: cleaning up
+        self.busy = False  # evaluating or saving: progress, not a hang
         self.timer: threading.Timer | None = None
 
 
@@ -90,9 +91,15 @@ def _handler(signum: int, frame: Any) -> None:
 def _force(state: _State) -> None:
     """The deadline of a deferred stop passed: a real signal to the main thread, which also
     ends a blocking sleep there (a Python-level interrupt would not)."""
-    if state is _state and state.deferred:
-        state.forced = True
-        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+    if state is not _state or not state.deferred:
+        return
+    if state.busy:  # an evaluation or a checkpoint save: look again later
+        state.timer = threading.Timer(state.deadline_s, _force, (state,))
+        state.timer.daemon = True
+        state.timer.start()
+        return
+    state.forced = True
+    signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
 
 
 def install() -> None:
@@ -127,13 +134,24 @@ def mark_collateral() -> None:
 
 @contextmanager
 def deferred(deadline_s: float) -> Iterator[None]:
-    """Signals only set the flag (see `agree`); a stop not taken within deadline_s is forced."""
+    """Signals only set the flag (the ranks agree on it: DistContext.agree_stop); a stop not
+    taken within deadline_s (not counting `busy()` time) is forced."""
     _state.deferred, _state.deadline_s = True, deadline_s
     try:
         yield
     finally:
         _state.deferred = False
         stop_deadline()
+
+
+@contextmanager
+def busy() -> Iterator[None]:
+    """An evaluation or a checkpoint save: slow, but not a hang; the deadline waits for it."""
+    _state.busy = True
+    try:
+        yield
+    finally:
+        _state.busy = False
 
 
 def set_deadline(deadline_s: float) -> None:

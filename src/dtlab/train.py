@@ -17,7 +17,6 @@ if __name__ == "__main__":
 
 import argparse
 import os
-import signal
 import sys
 import time
 from itertools import islice
@@ -51,10 +50,10 @@ from dtlab.metrics import MetricsLog
 from dtlab.models import build_model, count_params
 from dtlab.optim import build_scheduler
 from dtlab.run_state import RunState, Training
+from dtlab.run_stop import STOP_DEADLINE_S, last_checkpoint, record_stop, stop_at_boundary
 from dtlab.step import Stepper
 from dtlab.strategies import registry
 from dtlab.summary import comm_breakdown, save_model, summarize
-from dtlab.sweeps.record import now, update_record
 
 
 def build(cfg: Config, ctx: DistContext) -> tuple[Training, Any, TrainLoader, EvalLoader]:
@@ -96,13 +95,12 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     try:
         summary = _train(cfg, ctx, run_dir)
     except Interrupted as e:
-        e.where = e.where or f" during set-up{_last_checkpoint(cfg, run_dir)}"
-        if ctx.is_main and not e.quiet and run_dir.is_dir():  # for collect, report and sweeps
-            update_record(run_dir, status="interrupted", reason=e.line().removeprefix("dtlab: "),
-                          returncode=e.exit_code, finished_at=now())
+        e.where = e.where or f" during set-up{last_checkpoint(cfg, run_dir)}"
+        if ctx.is_main and not e.quiet:
+            record_stop(run_dir, e)
         raise
-    if ctx.is_main and (run_dir / "run.json").is_file():  # an interrupted run, now complete
-        update_record(run_dir, status="done", reason="", returncode=0, finished_at=now())
+    if ctx.is_main:
+        record_stop(run_dir, None)
     return summary
 
 
@@ -157,19 +155,20 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
                 ctx.synchronize()
                 run.record_step(time.perf_counter() - t0, data_time)
                 log_step(cfg, tr, run, step_loss, lr, log)
-                if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or \
-                        (not cfg.train.eval_every and run.end_of_epoch) or run.done:
-                    evaluate()
                 saved = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
-                if saved:
-                    state.save(cfg, ctx, tr, run)
+                with interrupt.busy():
+                    if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or \
+                            (not cfg.train.eval_every and run.end_of_epoch) or run.done:
+                        evaluate()
+                    if saved:
+                        state.save(cfg, ctx, tr, run)
                 stop_at_boundary(cfg, ctx, tr, run, run_dir, bool(saved))
-                # A boundary that does not come within 3 x the longest interval between two
-                # (a step with its evaluation and checkpoint) is a hang: a stop does not wait.
-                now = time.perf_counter()
-                longest = max(longest, now - boundary)
+                # A step that takes over 3 x the longest interval between two boundaries so far
+                # is a hang: a stop does not wait for it (evaluations and saves are waited for).
+                reached = time.perf_counter()
+                longest = max(longest, reached - boundary)
                 interrupt.set_deadline(max(STOP_DEADLINE_S, 3 * longest))
-                boundary = now
+                boundary = reached
         if not run.evals:  # resumed a finished run: evaluate what it left
             evaluate()
         if cfg.train.checkpoint_every and \
@@ -186,7 +185,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
         done = run.start + len(run.step_times)
         e.where = e.where or (f" after the last step ({done}), before the summary was written; "
                               "resume=auto writes it" if run.done and done == run.step else
-                              f" during step {done + 1}{_last_checkpoint(cfg, run_dir)}")
+                              f" during step {done + 1}{last_checkpoint(cfg, run_dir)}")
         raise
     finally:
         log.close()  # the progress bar too: the terminal is left clean
@@ -208,43 +207,6 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
     finally:
         log.close()
     return summary
-
-
-STOP_DEADLINE_S = 3.0  # the least time a stop waits for the step boundary
-
-
-def checkpoint_signals(cfg: Config) -> set[int]:
-    """The signals after which a run saves a checkpoint before it stops."""
-    named = cfg.run.checkpoint_signal
-    return {signal.SIGTERM, *([signal.Signals[f"SIG{named}"]] if named else [])}
-
-
-def stop_at_boundary(cfg: Config, ctx: DistContext, tr: Training, run: RunState, run_dir: Path,
-                     saved: bool) -> None:
-    """At a step boundary: when any rank was asked to stop, all stop here, after a checkpoint
-    when the signal asks for one and checkpoints are on."""
-    signum = ctx.agree_stop(interrupt.requested() or 0)
-    if not signum:
-        return
-    interrupt.stop_deadline()
-    if signum in checkpoint_signals(cfg) and cfg.train.checkpoint_every and not saved:
-        state.save(cfg, ctx, tr, run)
-        saved = True
-    if saved:
-        where = (f" at step {run.step}; saved checkpoint step {run.step}; resume=auto continues "
-                 "from it")
-    else:
-        where = f" at step {run.step}{_last_checkpoint(cfg, run_dir)}"
-    raise Interrupted(signum, where)
-
-
-def _last_checkpoint(cfg: Config, run_dir: Path) -> str:
-    found = checkpoint.complete_checkpoints(run_dir, warn=False)
-    if found:
-        return f"; last checkpoint step {found[-1][0]}; resume=auto continues from it"
-    if cfg.train.checkpoint_every:
-        return "; no checkpoint yet, a rerun starts over"
-    return "; no checkpoint (train.checkpoint_every=0), a rerun starts over"
 
 
 def log_step(cfg: Config, tr: Training, run: RunState, step_loss: torch.Tensor, lr: float,
