@@ -77,6 +77,7 @@ def uninterrupted(session_dir: Path) -> list[float]:
 
 def test_sigterm_on_2_rank_train_saves_a_checkpoint_and_resume_is_exact(
         tmp_path: Path, uninterrupted: list[float]) -> None:
+    """SIGTERM to a 2-rank `dtlab train`: exit 143, one line, a checkpoint at the agreed step, run.json `interrupted`; the resumed run's losses equal the uninterrupted run's (1e-6)."""
     run = tmp_path / "run"
     proc, groups = interrupt_at(["train", "--nproc-per-node", "2", *RUN,
                                  "train.checkpoint_every=1000", f"run.dir={run}"],
@@ -98,6 +99,7 @@ def test_sigterm_on_2_rank_train_saves_a_checkpoint_and_resume_is_exact(
 
 
 def test_sigint_on_2_rank_train_stops_without_a_checkpoint(tmp_path: Path) -> None:
+    """Ctrl-C on a 2-rank `dtlab train`: exit 130, one line naming the step and the last periodic checkpoint, no traceback, nothing left."""
     proc, groups = interrupt_at(["train", "--nproc-per-node", "2", *RUN,
                                  "train.checkpoint_every=2", f"run.dir={tmp_path / 'run'}"],
                                 "run/progress", signal.SIGINT, tmp_path)
@@ -109,8 +111,9 @@ def test_sigint_on_2_rank_train_stops_without_a_checkpoint(tmp_path: Path) -> No
 
 
 def test_the_checkpoint_signal_saves_and_stops_2_ranks(tmp_path: Path) -> None:
-    """run.checkpoint_signal=USR1 (for `sbatch --signal=USR1@90`): the launcher passes it on,
-    the ranks save a checkpoint at the step they agree on and stop, exit code 128 + 10."""
+    """run.checkpoint_signal=USR1 (for `sbatch --signal=USR1@90`) on 2 ranks: a checkpoint at the agreed step, exit 138.
+
+    The launcher passes the signal on; the ranks save at the step they agree on and stop."""
     proc, groups = interrupt_at(["train", "--nproc-per-node", "2", *RUN,
                                  "train.checkpoint_every=1000", "run.checkpoint_signal=USR1",
                                  f"run.dir={tmp_path / 'run'}"], "run/progress", signal.SIGUSR1,
@@ -126,6 +129,7 @@ def test_the_checkpoint_signal_saves_and_stops_2_ranks(tmp_path: Path) -> None:
                          ids=["SIGINT-ddp", "SIGTERM-single"])
 def test_signal_to_compare_stops_the_running_strategy(tmp_path: Path, sig: signal.Signals,
                                                       strategy: str) -> None:
+    """A signal to `dtlab compare` reaches the running strategy's processes: its one line, compare's exit 130/143, no table, nothing left."""
     proc, groups = interrupt_at(["compare", "--strategies", strategy, "--out", str(tmp_path / "c"),
                                  f"train.max_steps={STEPS}", "train.checkpoint_every=1000"],
                                 f"c/{strategy}/progress", sig, tmp_path)
@@ -148,6 +152,7 @@ timeout_s: 240
                          ids=["SIGINT-1-rank", "SIGTERM-2-ranks"])
 def test_signal_to_a_sweep_stops_its_run_and_records_it(tmp_path: Path, sig: signal.Signals,
                                                         nproc: int) -> None:
+    """A signal to `dtlab sweep`: the running run stops (checkpoint on SIGTERM), its run.json says `interrupted`, one line, exit 130/143, nothing left."""
     spec = tmp_path / "spec.yaml"
     spec.write_text(SWEEP.format(base=CONFIGS / "quick.yaml", steps=STEPS, nproc=nproc))
     proc, groups = interrupt_at(["sweep", str(spec), "--out", str(tmp_path / "o")],
