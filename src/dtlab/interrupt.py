@@ -240,9 +240,3 @@ def report(e: Interrupted, main: bool = True) -> int:
         print(e.line(), file=sys.stderr, flush=True)
     return e.exit_code
 
-
-def exit_on_signals() -> None:
-    """Until `install()`: a stop signal ends this process at once, quietly (a worker importing
-    torch has nothing to clean up, and a KeyboardInterrupt there would print a traceback)."""
-    for s in STOP_SIGNALS:
-        signal.signal(s, lambda signum, frame: os._exit(128 + signum))

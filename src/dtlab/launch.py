@@ -88,6 +88,9 @@ def _one_signal_stops_the_agent() -> Iterator[None]:
     def handler(signum: int, frame: object) -> None:
         if not first:
             first.append(signum)
+            if not interrupt.children(os.getpid()):  # no worker to say where: say it here
+                print(f"dtlab: interrupted by {interrupt.name(signum)} before the workers "
+                      "started", file=sys.stderr, flush=True)
             original(signum, frame)  # raises SignalException
         for pid in interrupt.children(os.getpid()):
             with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -10,10 +10,10 @@ step (dtlab/step.py), log, evaluate, checkpoint; then the summary.
 from __future__ import annotations
 
 # ruff: noqa: E402 - a worker's signal handling starts before its imports (torch takes seconds)
-from dtlab import interrupt
-
 if __name__ == "__main__":
-    interrupt.exit_on_signals()
+    from dtlab.early_exit import exit_on_signals
+
+    exit_on_signals()
 
 import argparse
 import os
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dtlab import checkpoint, state
+from dtlab import checkpoint, interrupt, state
 from dtlab.config import (
     Config,
     ConfigError,
