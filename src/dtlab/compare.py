@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.config import load_config
-from dtlab.interrupt import Interrupted, forwarding, requested
+from dtlab.interrupt import INTERRUPT_CODES, Interrupted, forwarding, requested
 from dtlab.strategies import registry
 from dtlab.strategies.registry import parse as parse_spec
 from dtlab.strategies.registry import ranks as spec_ranks
@@ -97,8 +97,9 @@ def run_train(cmd: list[str]) -> int:
     its process group, the run stops (and says where), then compare stops with the same signal."""
     with forwarding():
         code = subprocess.run(cmd, stdout=subprocess.DEVNULL, start_new_session=True).returncode
-    if requested():
-        raise Interrupted(requested() or 0, quiet=True)
+    if requested():  # the run said where it stopped, unless it had finished already
+        raise Interrupted(requested() or 0, "; compare stopped before its table",
+                          quiet=code in INTERRUPT_CODES)
     return code
 
 

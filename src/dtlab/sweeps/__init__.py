@@ -93,8 +93,9 @@ def run_sweep(spec_path: str, launcher: str, dry_run: bool, out: str | None,
                 t0 = time.monotonic()
                 status, reason, code = run_local(cmd, p.run_dir, timeout)
                 progress.finish(p, status, reason, code, time.monotonic() - t0)
-                if status == "interrupted":
-                    raise Interrupted(interrupt.requested() or 0, stopped_where(p, reason))
+                if interrupt.requested():  # the run stopped, or had just finished
+                    raise Interrupted(interrupt.requested() or 0,
+                                      stopped_where(p, reason) if status == "interrupted" else "")
         else:
             run_on_slurm(todo, spec, timeout, progress, requeue)
     except Interrupted as e:

@@ -33,10 +33,10 @@ def run_local(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[str, str
             except subprocess.TimeoutExpired:
                 stop_group(proc)
                 return "timeout", f"exceeded the {timeout_s:g} s timeout and was stopped", None
-    if interrupt.requested():
-        return "interrupted", failure_reason(log_path, code), code
     if code == 0 and (run_dir / "summary.json").is_file():
         return "done", "", 0
+    if interrupt.requested():
+        return "interrupted", failure_reason(log_path, code), code
     return "failed", failure_reason(log_path, code), code
 
 
