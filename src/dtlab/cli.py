@@ -15,6 +15,7 @@ from typing import NoReturn
 from dtlab.compare import compare
 from dtlab.config import check_environment, check_world, load_config, to_yaml, valid_keys
 from dtlab.errors import DtlabError
+from dtlab.interrupt import Interrupted, handling, report
 
 
 def _add_launch_args(p: argparse.ArgumentParser) -> None:
@@ -54,7 +55,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from dtlab.sweeps import run_sweep
 
-    return run_sweep(args.spec, args.launcher, args.dry_run, args.out, args.timeout)
+    if args.requeue and args.launcher != "slurm":
+        raise DtlabError("--requeue needs --launcher slurm (a local run is resumed by running the "
+                         "sweep again); fix: add --launcher slurm or drop --requeue")
+    return run_sweep(args.spec, args.launcher, args.dry_run, args.out, args.timeout, args.requeue)
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
@@ -136,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
     p.add_argument("--out", help="output directory (default: sweeps/<spec name>)")
     p.add_argument("--timeout", type=float, help="seconds per run (default: the spec's timeout_s)")
+    p.add_argument("--requeue", action="store_true",
+                   help="SLURM: a job stopped by SIGTERM (preemption, scontrol requeue) or by "
+                        "run.checkpoint_signal saves a checkpoint and is requeued; it resumes there")
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("collect", help="one CSV row per run found under the directories")
@@ -201,16 +208,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except DtlabError as e:
-        print(f"dtlab: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # output piped into `head` and the like
-        sys.stderr.close()
-        return 0
+    # A signal stops every process of the command with one line and exit code 128 + the signal
+    # number (dtlab/interrupt.py; docs/reliability.md#signals).
+    with handling():
+        try:
+            return args.func(args)
+        except DtlabError as e:
+            print(f"dtlab: error: {e}", file=sys.stderr)
+            return e.exit_code
+        except Interrupted as e:
+            return report(e)
+        except BrokenPipeError:  # output piped into `head` and the like
+            sys.stderr.close()
+            return 0
 
 
 def entry() -> NoReturn:

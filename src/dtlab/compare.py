@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.config import load_config
+from dtlab.interrupt import INTERRUPT_CODES, Interrupted, forwarding, requested
 from dtlab.strategies import registry
 from dtlab.strategies.registry import parse as parse_spec
 from dtlab.strategies.registry import ranks as spec_ranks
@@ -91,6 +92,17 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print("  ".join(str(r.get(c, "")).ljust(width[c]) for c in cols))
 
 
+def run_train(cmd: list[str]) -> int:
+    """One strategy's `dtlab train`, in a session of its own: a signal to compare is passed on to
+    its process group, the run stops (and says where), then compare stops with the same signal."""
+    with forwarding():
+        code = subprocess.run(cmd, stdout=subprocess.DEVNULL, start_new_session=True).returncode
+    if requested():  # the run said where it stopped, unless it had finished already
+        raise Interrupted(requested() or 0, "; compare stopped before its table",
+                          quiet=code in INTERRUPT_CODES)
+    return code
+
+
 def compare(args: argparse.Namespace) -> int:
     specs = [s.strip() for s in args.strategies.split(",") if s.strip()]
     ref = registry.REFERENCE
@@ -108,9 +120,9 @@ def compare(args: argparse.Namespace) -> int:
         cmd += ["--config", args.config] if args.config else []
         cmd += [*args.overrides, *spec_overrides, *extra, f"run.dir={out / label}"]
         print(f"== {spec} on {nproc} rank(s)", flush=True)
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)
-        if proc.returncode:
-            failed.append(f"{spec} (exit code {proc.returncode})")
+        code = run_train(cmd)
+        if code:
+            failed.append(f"{spec} (exit code {code})")
             continue
         results[spec] = read_run(out / label)
         rows.append(row_for(spec, results[spec][0]))

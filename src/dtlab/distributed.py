@@ -178,6 +178,15 @@ class DistContext:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
+    def agree_stop(self, signum: int) -> int:
+        """The largest stop signal any rank has received (0: none), so that all ranks stop after
+        the same step: one all-reduce of one int (measured: docs/reliability.md#signals)."""
+        if self.backend is None or self.world_size == 1:
+            return signum
+        flag = torch.tensor([signum], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
     def gather_floats(self, values: list[float]) -> list[list[float]]:
         """Every rank's list of numbers, indexed by rank (one all-gather)."""
         local = torch.tensor(values, dtype=torch.float64, device=self.device)

@@ -9,6 +9,12 @@ step (dtlab/step.py), log, evaluate, checkpoint; then the summary.
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - a worker's signal handling starts before its imports (torch takes seconds)
+if __name__ == "__main__":
+    from dtlab.early_exit import exit_on_signals
+
+    exit_on_signals()
+
 import argparse
 import os
 import sys
@@ -19,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dtlab import checkpoint, state
+from dtlab import checkpoint, interrupt, state
 from dtlab.config import (
     Config,
     ConfigError,
@@ -39,10 +45,12 @@ from dtlab.distributed import (
 )
 from dtlab.errors import DtlabError, PeerError, RunError
 from dtlab.faults import Fault
+from dtlab.interrupt import Interrupted
 from dtlab.metrics import MetricsLog
 from dtlab.models import build_model, count_params
 from dtlab.optim import build_scheduler
 from dtlab.run_state import RunState, Training
+from dtlab.run_stop import STOP_DEADLINE_S, last_checkpoint, record_stop, stop_at_boundary
 from dtlab.step import Stepper
 from dtlab.strategies import registry
 from dtlab.summary import comm_breakdown, save_model, summarize
@@ -83,8 +91,21 @@ def total_steps(cfg: Config, loader: TrainLoader) -> int:
 
 
 def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
-    started = time.perf_counter()
     run_dir = Path(cfg.run.dir or "runs/default")
+    try:
+        summary = _train(cfg, ctx, run_dir)
+    except Interrupted as e:
+        e.where = e.where or f" during set-up{last_checkpoint(cfg, run_dir)}"
+        if ctx.is_main and not e.quiet:
+            record_stop(run_dir, e)
+        raise
+    if ctx.is_main:
+        record_stop(run_dir, None)
+    return summary
+
+
+def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
+    started = time.perf_counter()
     tr, train_set, loader, val_loader = build(cfg, ctx)
     strategy, fault = tr.strategy, tr.stepper.fault
     run = RunState(total_steps=total_steps(cfg, loader), steps_per_epoch=loader.steps_per_epoch,
@@ -116,25 +137,38 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
 
     tr.model.train()
     try:
-        for epoch, step_idx in islice(loader.steps(run.start), max(0, run.total_steps - run.start)):
-            step = run.begin_step(epoch)
-            fault.before_step(step)
-            t0 = time.perf_counter()
-            lr = tr.scheduler.get_last_lr()[0]
-            batches = [train_set.batch(i) for i in step_idx]
-            if run.usage is not None:
-                run.usage.add(step_idx)
-            ctx.synchronize()
-            data_time = time.perf_counter() - t0
-            step_loss = tr.stepper(batches)
-            ctx.synchronize()
-            run.record_step(time.perf_counter() - t0, data_time)
-            log_step(cfg, tr, run, step_loss, lr, log)
-            if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or \
-                    (not cfg.train.eval_every and run.end_of_epoch) or run.done:
-                evaluate()
-            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
-                state.save(cfg, ctx, tr, run)
+        # A signal in the loop stops all ranks after the same step (dtlab/interrupt.py).
+        with interrupt.deferred(STOP_DEADLINE_S):
+            boundary, longest = time.perf_counter(), 0.0
+            for epoch, step_idx in islice(loader.steps(run.start),
+                                          max(0, run.total_steps - run.start)):
+                step = run.begin_step(epoch)
+                fault.before_step(step)
+                t0 = time.perf_counter()
+                lr = tr.scheduler.get_last_lr()[0]
+                batches = [train_set.batch(i) for i in step_idx]
+                if run.usage is not None:
+                    run.usage.add(step_idx)
+                ctx.synchronize()
+                data_time = time.perf_counter() - t0
+                step_loss = tr.stepper(batches)
+                ctx.synchronize()
+                run.record_step(time.perf_counter() - t0, data_time)
+                log_step(cfg, tr, run, step_loss, lr, log)
+                saved = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
+                with interrupt.busy():
+                    if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or \
+                            (not cfg.train.eval_every and run.end_of_epoch) or run.done:
+                        evaluate()
+                    if saved:
+                        state.save(cfg, ctx, tr, run)
+                stop_at_boundary(cfg, ctx, tr, run, run_dir, bool(saved))
+                # A step that takes over 3 x the longest interval between two boundaries so far
+                # is a hang: a stop does not wait for it (evaluations and saves are waited for).
+                reached = time.perf_counter()
+                longest = max(longest, reached - boundary)
+                interrupt.set_deadline(max(STOP_DEADLINE_S, 3 * longest))
+                boundary = reached
         if not run.evals:  # resumed a finished run: evaluate what it left
             evaluate()
         if cfg.train.checkpoint_every and \
@@ -142,19 +176,36 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
             state.save(cfg, ctx, tr, run)  # the end of the run (or of a resumed run, here in run.dir)
     except RuntimeError as e:
         if ctx.world_size > 1 and is_comm_failure(e):
+            interrupt.mark_collateral()  # a stop from here on is explained by the failed rank
+            if interrupt.requested():
+                raise Interrupted(interrupt.requested() or 0, quiet=True) from None
             raise RunError(who_stopped(ctx, run.step, e)) from None
         raise
+    except Interrupted as e:  # forced: a hang, a second Ctrl-C, or after the last step
+        done = run.start + len(run.step_times)
+        e.where = e.where or (f" after the last step ({done}), before the summary was written; "
+                              "resume=auto writes it" if run.done and done == run.step else
+                              f" during step {done + 1}{last_checkpoint(cfg, run_dir)}")
+        raise
+    finally:
+        log.close()  # the progress bar too: the terminal is left clean
 
-    summary = summarize(cfg, ctx, tr, run)
-    if cfg.run.save_model:
-        save_model(strategy, tr.model, run_dir / "model.safetensors", ctx)
-    if cfg.run.comm_breakdown and ctx.world_size > 1:  # after training: it changes the model
-        more = [[train_set.batch(i) for i in idx] for _, idx in
-                islice(loader.steps(start_step=run.total_steps), cfg.run.breakdown_steps)]
-        trace = run_dir / f"trace_rank{ctx.rank}.json" if cfg.run.profile_trace else None
-        summary.update(comm_breakdown(cfg, ctx, tr, more, trace))
-    log.write_summary(summary)
-    log.close()
+    try:
+        summary = summarize(cfg, ctx, tr, run)
+        if cfg.run.save_model:
+            save_model(strategy, tr.model, run_dir / "model.safetensors", ctx)
+        if cfg.run.comm_breakdown and ctx.world_size > 1:  # after training: it changes the model
+            more = [[train_set.batch(i) for i in idx] for _, idx in
+                    islice(loader.steps(start_step=run.total_steps), cfg.run.breakdown_steps)]
+            trace = run_dir / f"trace_rank{ctx.rank}.json" if cfg.run.profile_trace else None
+            summary.update(comm_breakdown(cfg, ctx, tr, more, trace))
+        log.write_summary(summary)
+    except Interrupted as e:
+        e.where = e.where or (f" after the last step ({run.step}), before the summary was "
+                              "written; resume=auto writes it")
+        raise
+    finally:
+        log.close()
     return summary
 
 
@@ -177,6 +228,14 @@ def log_step(cfg: Config, tr: Training, run: RunState, step_loss: torch.Tensor, 
 def run(config: str | None, overrides: list[str]) -> int:
     """Worker entry: validate, set up the process group, train, always tear down. Returns exit code."""
     env = detect_env()
+    with interrupt.handling():
+        try:
+            return _run(config, overrides, env)
+        except Interrupted as e:  # rank 0 says where the run stopped, once
+            return interrupt.report(e, main=env.rank == 0)
+
+
+def _run(config: str | None, overrides: list[str], env: Any) -> int:
     try:
         cfg = load_config(config, overrides)
         check_world(cfg, env.world_size, env.local_world_size)

@@ -181,6 +181,9 @@ class RunConfig(Section):
     breakdown_steps: int = Field(12, ge=2)  # steps per breakdown phase (the first is a warm-up)
     profile_trace: bool = False  # with comm_breakdown: Chrome/Perfetto trace_rank<r>.json
     fault: FaultConfig = Field(default_factory=FaultConfig)
+    # Also save a checkpoint and stop on this signal (SIGTERM always does), e.g. USR1 with
+    # `sbatch --signal=USR1@90`: docs/reliability.md#signals
+    checkpoint_signal: Literal["USR1", "USR2"] | None = None
     tensorboard: bool = False
     track_samples: bool = False  # count how often each training sample was used (summary.json)
 

@@ -2,16 +2,21 @@
 
 A run that finished before (same config, same layout: same hash) is not run again; a failed or
 timed-out one is recorded with its reason, the sweep goes on, and exits 1 at the end. The
-results land in OUT/results.csv, OUT/plots/ and OUT/report.html.
+results land in OUT/results.csv, OUT/plots/ and OUT/report.html. A stop signal stops the running
+run (locally: passed on to its process group; on SLURM: its jobs are cancelled), marks it
+`interrupted` and ends the sweep with one line; running the sweep again continues it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
+from dtlab import interrupt
 from dtlab.config import to_yaml
+from dtlab.interrupt import Interrupted
 from dtlab.sweeps import slurm
 from dtlab.sweeps.local import command, run_local
 from dtlab.sweeps.record import failure_reason, is_done, now, read_record, update_record
@@ -39,6 +44,8 @@ class Progress:
         update_record(run.run_dir, status=status, reason=reason, returncode=code,
                       finished_at=now(), duration_s=round(seconds, 2))
         self.running = max(0, self.running - 1)
+        if status == "interrupted":  # the sweep's one line says it
+            return
         if status == "done":
             self.done += 1
             summary = json.loads((run.run_dir / "summary.json").read_text())
@@ -49,7 +56,7 @@ class Progress:
 
 
 def run_sweep(spec_path: str, launcher: str, dry_run: bool, out: str | None,
-              timeout_s: float | None) -> int:
+              timeout_s: float | None, requeue: bool = False) -> int:
     spec = load_spec(spec_path)
     out_dir = Path(out) if out else Path("sweeps") / Path(spec_path).stem
     timeout = timeout_s or spec.timeout_s
@@ -78,16 +85,35 @@ def run_sweep(spec_path: str, launcher: str, dry_run: bool, out: str | None,
                       nproc_per_node=p.nproc_per_node, nnodes=p.nnodes, slurm_mode=p.slurm_mode,
                       launcher=launcher, status="planned", reason="", planned_at=now())
     progress = Progress(len(valid), len(finished))
-    if launcher == "local":
-        for p in todo:
-            cmd = command(p.run_dir / "config.yaml", p.nproc_per_node)
-            progress.start(p, "running", command=" ".join(cmd))
-            t0 = time.monotonic()
-            status, reason, code = run_local(cmd, p.run_dir, timeout)
-            progress.finish(p, status, reason, code, time.monotonic() - t0)
-    else:
-        run_on_slurm(todo, spec, timeout, progress)
+    try:
+        if launcher == "local":
+            for p in todo:
+                cmd = command(p.run_dir / "config.yaml", p.nproc_per_node)
+                progress.start(p, "running", command=" ".join(cmd))
+                t0 = time.monotonic()
+                status, reason, code = run_local(cmd, p.run_dir, timeout)
+                progress.finish(p, status, reason, code, time.monotonic() - t0)
+                if interrupt.requested():  # the run stopped, or had just finished
+                    raise Interrupted(interrupt.requested() or 0,
+                                      stopped_where(p, reason) if status == "interrupted" else "")
+        else:
+            run_on_slurm(todo, spec, timeout, progress, requeue)
+    except Interrupted as e:
+        for p in todo:  # a run marked running when the signal came between two runs
+            if (read_record(p.run_dir) or {}).get("status") == "running":
+                update_record(p.run_dir, status="interrupted", reason="the sweep was interrupted",
+                              finished_at=now())
+        e.where = (e.where or ": no run was running") + \
+            f"; `dtlab sweep {spec_path}` again continues the sweep (finished runs are kept)"
+        raise
     return finish(out_dir, valid)
+
+
+def stopped_where(p: PlannedRun, reason: str) -> str:
+    """The stopped run's own line (in its log), as part of the sweep's one line."""
+    said = re.search(r"interrupted by SIG\w+(.*)", reason)
+    where = said.group(1) if said else ""
+    return f": run '{p.label}' stopped{where.replace('; resume=auto continues from it', '')}"
 
 
 def write_plan(out_dir: Path, spec: SweepSpec, plans: list[PlannedRun], launcher: str) -> None:
@@ -99,13 +125,26 @@ def write_plan(out_dir: Path, spec: SweepSpec, plans: list[PlannedRun], launcher
 
 
 def run_on_slurm(todo: list[PlannedRun], spec: SweepSpec, timeout: float,
-                 progress: Progress) -> None:
+                 progress: Progress, requeue: bool = False) -> None:
     jobs: dict[str, PlannedRun] = {}
+    try:
+        _run_on_slurm(todo, spec, timeout, progress, requeue, jobs)
+    except Interrupted as e:  # the jobs are not children: cancel them (SIGTERM: they checkpoint)
+        for job, p in jobs.items():
+            slurm.cancel(job)
+            update_record(p.run_dir, status="interrupted", finished_at=now(),
+                          reason=f"the sweep was interrupted; job {job} was cancelled")
+        e.where = f": cancelled {len(jobs)} SLURM job(s) of this sweep ({', '.join(jobs)})"
+        raise
+
+
+def _run_on_slurm(todo: list[PlannedRun], spec: SweepSpec, timeout: float, progress: Progress,
+                  requeue: bool, jobs: dict[str, PlannedRun]) -> None:
     started: dict[str, float] = {}
     submitted = time.monotonic()
     for p in todo:
         script = p.run_dir / "job.sbatch"
-        script.write_text(slurm.render(p, spec.slurm, timeout, Path.cwd()))
+        script.write_text(slurm.render(p, spec.slurm, timeout, Path.cwd(), requeue))
         job = slurm.submit(script)
         jobs[job] = p
         update_record(p.run_dir, status="submitted", job_id=job, command=f"sbatch {script}")
@@ -118,6 +157,13 @@ def run_on_slurm(todo: list[PlannedRun], spec: SweepSpec, timeout: float,
             if state == "RUNNING" and job not in started:
                 started[job] = time.monotonic()
                 progress.start(p, f"running (job {job})")
+            if state in ("PENDING", "REQUEUED") and job in started:  # preempted and requeued
+                del started[job]  # the timeout starts again when it runs again
+                count = (read_record(p.run_dir) or {}).get("requeues", 0) + 1
+                update_record(p.run_dir, status="requeued", requeues=count)
+                progress.running = max(0, progress.running - 1)
+                progress.event(p, f"job {job} was stopped and requeued ({count}); it resumes "
+                                  "from its last checkpoint")
             if state and not (job in started and time.monotonic() - started[job] > timeout):
                 continue
             if state:  # still running past its timeout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from dtlab import interrupt
 from dtlab.sweeps.record import failure_reason
 
 
@@ -18,31 +20,35 @@ def command(config_path: Path, nproc_per_node: int) -> list[str]:
 
 
 def run_local(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[str, str, int | None]:
-    """(status, reason, exit code) of one run; its output goes to run_dir/train.log."""
+    """(status, reason, exit code) of one run; its output goes to run_dir/train.log. Status
+    "interrupted" when this process got a stop signal: it was passed on to the run, which stopped
+    (after a checkpoint on SIGTERM) and said where in its log."""
     log_path = run_dir / "train.log"
     with open(log_path, "w") as log:
-        # A session of its own: on timeout the launcher and all its workers are stopped together.
+        # A session of its own: the launcher and its workers are stopped by signals to it.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            stop_group(proc)
-            return "timeout", f"exceeded the {timeout_s:g} s timeout and was stopped", None
+        with interrupt.forwarding():
+            try:
+                code = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                stop_group(proc)
+                return "timeout", f"exceeded the {timeout_s:g} s timeout and was stopped", None
     if code == 0 and (run_dir / "summary.json").is_file():
         return "done", "", 0
+    if interrupt.requested():
+        return "interrupted", failure_reason(log_path, code), code
     return "failed", failure_reason(log_path, code), code
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 45.0) -> None:
-    """SIGTERM first: torch elastic then stops its workers (which run in sessions of their own,
-    out of reach of killpg) within its own 30 s grace; SIGKILL only if that does not happen."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                return
-            time.sleep(0.1)
+    """SIGTERM to the run's process group: torch elastic passes it on to its workers (each in a
+    process group of its own) and waits 30 s for them; after grace_s every group of the run that
+    is left is SIGKILLed."""
+    groups = {proc.pid} | interrupt.descendant_groups(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    interrupt.stop_groups(groups | interrupt.descendant_groups(proc.pid), None, 0)
+    proc.wait()

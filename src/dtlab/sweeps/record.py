@@ -46,7 +46,7 @@ def failure_reason(log: Path, returncode: int | None) -> str:
     lines: list[str] = []
     if Path(log).is_file():
         lines = [x.strip() for x in Path(log).read_text(errors="replace").splitlines() if x.strip()]
-    errors = [x for x in lines if x.startswith("dtlab: error:")]
+    errors = [x for x in lines if x.startswith(("dtlab: error:", "dtlab: interrupted"))]
     tail = [x for x in lines if not x.startswith("[METRIC]")]
     detail = errors[-1] if errors else (tail[-1] if tail else "no output")
     ending = f"exit code {returncode}" if returncode is not None else "no exit code"

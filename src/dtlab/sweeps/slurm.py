@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -45,17 +46,35 @@ SRUN = (
     "srun --kill-on-bad-exit=1 bash -c 'export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS "
     "LOCAL_RANK=$SLURM_LOCALID LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE; exec \"$@\"' rank {cmd}"
 )
+# dtlab's own launcher (torch elastic): it passes stop signals on to its workers and stops quietly.
 TORCHRUN = (
-    "srun --kill-on-bad-exit=1 {python} -m torch.distributed.run --nnodes=$SLURM_NNODES "
-    "--nproc-per-node={nproc} --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT "
-    "--rdzv-id=$SLURM_JOB_ID -m dtlab.train --config {config}"
+    "srun --kill-on-bad-exit=1 {python} -m dtlab train --nnodes $SLURM_NNODES "
+    "--nproc-per-node {nproc} --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT "
+    "--rdzv-id $SLURM_JOB_ID --config {config}"
 )
 
 
-def render(run: PlannedRun, opts: SlurmOptions, timeout_s: float, workdir: Path) -> str:
+REQUEUE = """code=0
+{launch} || code=$?
+# Stopped by SIGTERM or the checkpoint signal after saving a checkpoint: requeue this job (same
+# job id and run directory; resume=auto continues from the checkpoint). Preemption and
+# `scontrol requeue` stop this script too, and SLURM requeues the job by itself.
+if (( code == 143 || code == {checkpoint_code} )); then
+  echo "dtlab: job $SLURM_JOB_ID stopped with exit code $code after a checkpoint: requeued" >&2
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit $code"""
+
+
+def render(run: PlannedRun, opts: SlurmOptions, timeout_s: float, workdir: Path,
+           requeue: bool = False) -> str:
     config = run.run_dir / "config.yaml"
     srun_mode = run.slurm_mode == "srun"
-    extra = [f"#SBATCH --partition={opts.partition}"] if opts.partition else []
+    named = run.config.run.checkpoint_signal if run.config is not None else None
+    extra = ["#SBATCH --requeue", "#SBATCH --open-mode=append"] if requeue else []
+    if requeue and named:  # SLURM signals the tasks 90 s before the time limit
+        extra += [f"#SBATCH --signal={named}@90"]
+    extra += [f"#SBATCH --partition={opts.partition}"] if opts.partition else []
     extra += [f"#SBATCH --account={opts.account}"] if opts.account else []
     extra += [f"#SBATCH --gpus-per-node={opts.gpus_per_node}"] if opts.gpus_per_node else []
     extra += [f"#SBATCH {x}" for x in opts.extra]
@@ -63,6 +82,9 @@ def render(run: PlannedRun, opts: SlurmOptions, timeout_s: float, workdir: Path)
     launch = (SRUN.format(cmd=worker) if srun_mode else TORCHRUN.format(
         python=shlex.quote(sys.executable), nproc=run.nproc_per_node,
         config=shlex.quote(str(config))))
+    if requeue:
+        code = 128 + signal.Signals[f"SIG{named}"] if named else 143
+        launch = REQUEUE.format(launch=launch, checkpoint_code=code)
     return TEMPLATE.format(
         key=run.key,
         nnodes=run.nnodes,

@@ -1,0 +1,21 @@
+"""The first thing a dtlab process does (`python -m dtlab`, a worker's `python -m dtlab.train`):
+until dtlab/interrupt.py takes over, a stop signal ends the process at once, and rank 0 says so.
+A process still importing torch has nothing to clean up, and Python's KeyboardInterrupt would print
+a traceback from whatever import it interrupted. Only os and signal are imported, to keep the
+window before this short."""
+
+import os
+import signal
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _leave_now(signum: int, frame: object) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, f"dtlab: interrupted by {signal.Signals(signum).name} while starting\n".encode())
+    os._exit(128 + signum)
+
+
+def exit_on_signals() -> None:
+    for s in SIGNALS:
+        signal.signal(s, _leave_now)
