@@ -308,7 +308,7 @@ GROUPS = {"test_report_browser": "sweep", "test_sweep": "sweep", "test_slurm": "
 # --no-loadscope-reorder xdist hands out groups in collection order, each to the worker that
 # runs out of work first, so the long ones start first and the short ones fill both workers
 # up to the end (xdist's default order, by test count, would start the one-test chapters last).
-COST = {"slurm": 95, "guide-03-fsdp.md": 78, "test_train_features": 65,
+COST = {"slurm": 125, "guide-03-fsdp.md": 78, "test_train_features": 65, "test_signals": 60,
         "guide-08-failure-modes.md": 61, "test_reliability": 55, "guide-02-ddp.md": 50,
         "test_zero": 50, "guide-05-model-parallel.md": 45, "sweep": 45, "test_launch": 35,
         "guide-04-zero.md": 32, "test_ddp_hooks": 25, "test_model_parallel": 25,
