@@ -153,17 +153,17 @@ def _run_on_slurm(todo: list[PlannedRun], spec: SweepSpec, timeout: float, progr
         time.sleep(spec.slurm.poll_s)
         active = slurm.active_jobs(list(jobs))
         for job, p in list(jobs.items()):
-            state = active.get(job)
+            state, count = active.get(job, (None, 0))
+            if count > (read_record(p.run_dir) or {}).get("requeues", 0):  # preempted, requeued
+                if job in started:
+                    del started[job]  # the timeout starts again when it runs again
+                    progress.running = max(0, progress.running - 1)
+                update_record(p.run_dir, status="requeued", requeues=count)
+                progress.event(p, f"job {job} was stopped and requeued ({count}); it resumes "
+                                  "from its last checkpoint")
             if state == "RUNNING" and job not in started:
                 started[job] = time.monotonic()
                 progress.start(p, f"running (job {job})")
-            if state in ("PENDING", "REQUEUED") and job in started:  # preempted and requeued
-                del started[job]  # the timeout starts again when it runs again
-                count = (read_record(p.run_dir) or {}).get("requeues", 0) + 1
-                update_record(p.run_dir, status="requeued", requeues=count)
-                progress.running = max(0, progress.running - 1)
-                progress.event(p, f"job {job} was stopped and requeued ({count}); it resumes "
-                                  "from its last checkpoint")
             if state and not (job in started and time.monotonic() - started[job] > timeout):
                 continue
             if state:  # still running past its timeout

@@ -115,13 +115,14 @@ def submit(script: Path) -> str:
     return _run(["sbatch", "--parsable", str(script)]).strip().split(";")[0]
 
 
-def active_jobs(job_ids: list[str]) -> dict[str, str]:
-    """State of the listed jobs that squeue still shows (pending, running, ...)."""
+def active_jobs(job_ids: list[str]) -> dict[str, tuple[str, int]]:
+    """(state, times requeued) of the listed jobs that squeue still shows (pending, running...).
+    The count comes from SLURM: a poll can miss a short run between two requeues."""
     if not job_ids:
         return {}
-    out = _run(["squeue", "-h", "-o", "%i %T", "-j", ",".join(job_ids)])
-    states = dict(line.split(maxsplit=1) for line in out.splitlines() if line.strip())
-    return {j: s for j, s in states.items() if s in ACTIVE}
+    out = _run(["squeue", "-h", "-O", "JobID:|,State:|,RestartCnt:", "-j", ",".join(job_ids)])
+    rows = [line.split("|") for line in out.splitlines() if line.strip()]
+    return {j.strip(): (s.strip(), int(n)) for j, s, n in rows if s.strip() in ACTIVE}
 
 
 def final_state(job_id: str) -> tuple[str, int | None]:
