@@ -65,7 +65,9 @@ def read_yaml(path: str | Path, what: str = "config file",
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}" if where else ""
-        raise ConfigError(f"{what} '{p}' is not valid YAML{line}; fix its syntax") from None
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{what} '{p}' is not valid YAML{line} ({problem}); fix: correct the "
+                          "syntax there (plain YAML: no tags, one document)") from None
     if data is None:
         raise ConfigError(f"{what} '{p}' is empty (or only comments); fix: {empty_fix}")
     if not isinstance(data, dict):

@@ -79,6 +79,8 @@ def validate(args: argparse.Namespace) -> None:
     if getattr(args, "strategies", None) is not None and not args.strategies.replace(",", "").strip():
         raise DtlabError(f"--strategies '{args.strategies}' names no strategy; fix: e.g. "
                          f"--strategies {DEFAULT_STRATEGIES}")
+    if getattr(args, "comm_results", None) and args.bandwidth:
+        raise DtlabError("--comm-results and --bandwidth both set a link speed; fix: give one")
     if getattr(args, "comm_results", None):
         path = input_file("--comm-results", args.comm_results,
                           f"measure with dtlab comm --op all --json {args.comm_results}")
@@ -161,8 +163,6 @@ def build_setup(args: argparse.Namespace, world: int) -> Any:
     if not (args.config or args.n_params or args.overrides):
         raise DtlabError("no model given; fix: --n-params 7e9, or --config FILE (or overrides of "
                          "the built-in config, e.g. model.name=gpt)")
-    if args.comm_results and args.bandwidth:
-        raise DtlabError("--comm-results and --bandwidth both set a link speed; fix: give one")
     ranks_per_node, inter = args.ranks_per_node or min(8, world), args.inter_node_bandwidth
     if args.n_params is None:  # a config (or the built-in quick config with overrides)
         for flag in ("optimizer", "precision", "n_layer", "hidden", "n_head", "seq_len"):

@@ -182,7 +182,8 @@ def expand(spec: SweepSpec, out_dir: Path, launcher: str) -> list[PlannedRun]:
                     int(layout["batch_per_rank"]) * run.world_size * cfg.train.grad_accum_steps
                 )
             if launcher == "local" and run.nnodes > 1:
-                raise ConfigError("nnodes > 1 needs the slurm launcher")
+                raise ConfigError("nnodes > 1 needs the slurm launcher; fix: add --launcher slurm, "
+                                  "or keep nnodes at 1")
             if run.slurm_mode not in ("srun", "torchrun"):
                 raise ConfigError(f"slurm_mode must be srun or torchrun, not {run.slurm_mode}")
             check_world(cfg, run.world_size, run.nproc_per_node)
