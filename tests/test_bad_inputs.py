@@ -733,3 +733,29 @@ def test_cases_are_distinct() -> None:
     specs = [SPECS[c[1].split()[1].removeprefix("sweeps/").removesuffix(".yaml")]
              for c in CASES if c[1].startswith("sweep sweeps/") and c[1].count(" ") == 1]
     assert len(set(specs)) == len(specs), "two sweep cases use the same spec"
+
+
+UNITS = {"timeout": "second", "bytes": "bytes", "memory": "GB", "bandwidth": "GB/s",
+         "tolerance": "relative", "seq_len": "tokens", "vocab": "tokens"}
+
+
+def test_every_option_of_every_subcommand_says_what_it_does_and_its_default() -> None:
+    from dtlab.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    assert {"train", "compare", "sweep", "collect", "plot", "report", "comm", "estimate", "advise",
+            "export", "config", "doctor"} <= set(commands)
+    for name, sub in commands.items():
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if not action.option_strings or action.help == "==SUPPRESS==" or action.dest == "help":
+                continue
+            flag = f"dtlab {name} {action.option_strings[-1]}"
+            text = formatter._expand_help(action) if action.help else ""
+            assert len(text.split()) >= 3, f"{flag} has no sentence: {text!r}"
+            assert "default" in text, f"{flag} does not say its default: {text!r}"
+            for part, unit in UNITS.items():
+                if part in action.dest:
+                    assert unit in text, f"{flag} does not give its unit ({unit}): {text!r}"
+        assert dtlab(name, "--help").returncode == 0
