@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CONFIGS, dtlab
+from conftest import CONFIGS, cli, dtlab
 
 CASES = [
     # ------------------------------------------------------------------ the command line itself
@@ -65,6 +65,8 @@ CASES = [
      "train --nproc-per-node 2 --rdzv-conf is_host", "'is_host' in 'is_host' is not key=value"),
     ("train refuses rendezvous settings for a 1-rank run", "train --rdzv-conf is_host=true",
      "--rdzv-conf applies to runs of 2 ranks or more"),
+    ("train refuses a rendezvous id for a 1-rank run", "train --rdzv-id job42",
+     "--rdzv-id applies to runs of 2 ranks or more"),
     ("train refuses an empty rendezvous id", "train --nproc-per-node 2 --rdzv-id ''",
      "argument --rdzv-id: is empty"),
     # ------------------------------------------------------------------ train: overrides
@@ -282,6 +284,8 @@ CASES = [
      "train.lr: Input should be greater than 0"),
     ("compare refuses an output directory that is a file", "compare --out earlier/results.csv",
      "--out 'earlier/results.csv': 'earlier/results.csv' is a file"),
+    ("compare refuses a run directory of its own choosing", "compare run.dir=mine",
+     "run.dir is chosen by compare"),
     ("compare refuses a model and data that do not go together",
      "compare --strategies ddp model.name=gpt data.name=cifar10",
      "model.name=gpt cannot train on data.name=cifar10"),
@@ -362,6 +366,8 @@ CASES = [
      "nnodes > 1 needs the slurm launcher"),
     ("sweep refuses a matrix of which nothing can run", "sweep sweeps/nothing_runs.yaml",
      "no combination of the matrix can run"),
+    ("sweep refuses a run directory in the overrides", "sweep sweeps/run_dir.yaml",
+     "run.dir is chosen by the sweep"),
     ("sweep refuses a zero timeout", "sweep sweeps/ok.yaml --timeout 0",
      "argument --timeout: '0' must be above 0"),
     ("sweep refuses a negative timeout", "sweep sweeps/ok.yaml --timeout -5",
@@ -597,6 +603,7 @@ SPECS = {  # sweeps/NAME.yaml; BASE is the shipped quick config
     "overrides_list": "base: BASE\noverrides: [1]",
     "override_value": "base: BASE\noverrides: {train.lr: -1}",
     "nnodes_local": "base: BASE\nmatrix: {nnodes: [2]}",
+    "run_dir": "base: BASE\noverrides: {run.dir: mine}",
     "nothing_runs": "base: BASE\nmatrix: {strategy.name: [single], nproc_per_node: [2]}",
 }
 
@@ -733,6 +740,20 @@ def test_cases_are_distinct() -> None:
     specs = [SPECS[c[1].split()[1].removeprefix("sweeps/").removesuffix(".yaml")]
              for c in CASES if c[1].startswith("sweep sweeps/") and c[1].count(" ") == 1]
     assert len(set(specs)) == len(specs), "two sweep cases use the same spec"
+
+
+def test_the_real_command_says_it_once_without_a_traceback(workspace: Path) -> None:
+    """The same refusals through `python -m dtlab` (the console script's own exit path): a 2-rank
+    train whose token file is empty, a sweep spec asking for 0 ranks."""
+    for args, expected in (
+            (["train", "--nproc-per-node", "2", *GPT.split(), "strategy.name=ddp",
+              "data.dir=bad/tokens_empty"], "bad/tokens_empty/train.bin is empty; fix: "),
+            (["sweep", "sweeps/nproc_zero.yaml"], "matrix value nproc_per_node=0")):
+        before = snapshot(workspace)
+        proc = cli(*args, cwd=workspace, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and expected in proc.stderr, proc.stderr
+        assert snapshot(workspace) == before
 
 
 UNITS = {"timeout": "second", "bytes": "bytes", "memory": "GB", "bandwidth": "GB/s",

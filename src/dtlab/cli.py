@@ -62,6 +62,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if world == 1:
         for flag, value, default in (("--max-restarts", args.max_restarts, 0),
                                      ("--rdzv-endpoint", args.rdzv_endpoint, None),
+                                     ("--rdzv-id", args.rdzv_id, "dtlab"),
                                      ("--rdzv-conf", args.rdzv_conf, "")):
             if value != default:
                 raise DtlabError(f"{flag} applies to runs of 2 ranks or more, and this one has "

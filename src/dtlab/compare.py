@@ -121,6 +121,9 @@ def check_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
         raise ConfigError("--tolerance applies to --verify; fix: add --verify, or remove "
                           "--tolerance")
     args.tolerance = 1e-5 if args.tolerance is None else args.tolerance
+    if any(o.strip().startswith("run.dir=") for o in args.overrides):
+        raise ConfigError("run.dir is chosen by compare (OUT/<strategy>); fix: remove the run.dir "
+                          "override, and give --out DIR")
     output_dir("--out", args.out)
     ref = registry.REFERENCE
     if args.verify and ref not in specs:

@@ -109,6 +109,9 @@ def load_spec(path: str | Path) -> SweepSpec:
                 raise ConfigError(f"sweep spec {path}: matrix value {key}={_fmt(value)}: {problem}; "
                                   f"fix: correct or remove that value under matrix: {key}")
     check_exclude(path, spec)
+    if "run.dir" in spec.overrides or "run.dir" in spec.matrix:
+        raise ConfigError(f"sweep spec {path}: run.dir is chosen by the sweep (OUT/runs/<hash>); "
+                          "fix: remove it from the spec, and give --out DIR")
     if spec.base is not None and not Path(spec.base).is_file():
         # A base relative to the spec file is the natural reading; relative to cwd works too.
         near = Path(path).parent / spec.base
