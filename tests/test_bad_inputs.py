@@ -398,6 +398,8 @@ CASES = [
      "bad/run_binary_summary/r1/summary.json' is not a dtlab JSON record"),
     ("collect refuses a summary.json holding a list", "collect bad/run_list_summary",
      "bad/run_list_summary/r1/summary.json' is not a dtlab JSON record"),
+    ("collect refuses a damaged compare.json", "collect bad/compare_damaged",
+     "bad/compare_damaged/compare.json' is not what dtlab compare writes"),
     # ------------------------------------------------------------------ plot
     ("plot refuses a missing results file", "plot bad/absent.csv",
      "RESULTS_CSV 'bad/absent.csv' not found"),
@@ -638,6 +640,8 @@ FILES = {  # bad/NAME: content
     "run_binary_summary/r1/summary.json": b"\x80\x81\x82",
     "run_list_summary/r1/summary.json": b"[1, 2]",
     "run_binary_record/r1/run.json": b"\xff\xfe",
+    "compare_damaged/ddp/summary.json": json.dumps({"strategy": "ddp", "world_size": 2}).encode(),
+    "compare_damaged/compare.json": b'{"strategy": "ddp"}',
     "tokens_empty/train.bin": b"",
     "tokens_empty/val.bin": b"",
     "tokens_odd/train.bin": b"abc",

@@ -80,7 +80,14 @@ def add_verification(rows: list[dict[str, Any]], root: Path) -> None:
     path = root / "compare.json"
     if not path.is_file():
         return
-    checked = {r["strategy"]: r for r in json.loads(path.read_text()) if "loss_dev" in r}
+    try:
+        table = json.loads(path.read_bytes().decode())
+        if not isinstance(table, list):
+            raise TypeError
+        checked = {r["strategy"]: r for r in table if "loss_dev" in r}
+    except (ValueError, TypeError, KeyError):
+        raise DtlabError(f"'{path}' is not what dtlab compare writes (damaged?); fix: run the "
+                         "comparison again, or move the file out of the way") from None
     for row in rows:
         match = checked.get(str(row.get("series")))
         if match:

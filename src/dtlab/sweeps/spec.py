@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError
 
 from dtlab.config import (
     Config,
@@ -52,7 +52,7 @@ class SlurmOptions(BaseModel):
     mode: Literal["srun", "torchrun"] = "srun"
     extra: list[str] = Field(default_factory=list)  # more "#SBATCH ..." options, e.g. "--qos=high"
     setup: list[str] = Field(default_factory=list)  # shell lines before the launch (module load ...)
-    poll_s: float = Field(2.0, gt=0)
+    poll_s: PositiveFloat = 2.0
 
 
 class SweepSpec(BaseModel):
@@ -61,7 +61,7 @@ class SweepSpec(BaseModel):
     overrides: dict[str, Any] = Field(default_factory=dict)
     matrix: dict[str, list[Any]] = Field(default_factory=dict)
     exclude: list[dict[str, Any]] = Field(default_factory=list)
-    timeout_s: float = Field(1800.0, gt=0)
+    timeout_s: PositiveFloat = 1800.0
     slurm: SlurmOptions = Field(default_factory=SlurmOptions)
 
 
