@@ -149,6 +149,8 @@ def test_switching_the_model_over_a_config_of_another_model() -> None:
     with pytest.raises(ConfigError, match=r"^config key 'model.n_head' belongs to model.name=gpt, "
                        r"not model.name=cnn; fix: remove model.n_head, or set model.name=gpt"):
         load_config(CONFIGS / "fsdp_gpt.yaml", ["model.name=cnn", "model.n_head=2"])
+    with pytest.raises(ConfigError, match="'model.n_layer' belongs to model.name=gpt"):
+        load_config(CONFIGS / "fsdp_gpt.yaml", ["model.name=cnn", "model.n_layer=4"])  # as the file
 
 
 def test_a_value_is_checked_against_its_key_alone() -> None:

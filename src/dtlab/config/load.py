@@ -96,20 +96,19 @@ def apply_override(tree: dict[str, Any], item: str) -> None:
     node[parts[-1]] = parse_value(value)
 
 
-def _switch_model(tree: dict[str, Any], from_file: dict[str, Any]) -> None:
+def _switch_model(tree: dict[str, Any], from_file: dict[str, Any], overridden: set[str]) -> None:
     """When the overrides name another model than the file, the file's options of its own model
     go: `--config gpt.yaml model.name=cnn` gives the cnn defaults (as without --config) plus the
-    model.* overrides."""
+    model.* overrides (`overridden`: the option names they set)."""
     model = tree.get("model")
-    if not isinstance(model, dict) or not isinstance(from_file, dict):
+    if not isinstance(model, dict):
         return
     before, after = from_file.get("name", "cnn"), model.get("name", "cnn")
     if before == after or after not in _MODELS:
         return
     fields = _MODELS[after].model_fields
-    for key in [k for k in model if k in from_file and k not in fields]:
-        if model[key] == from_file[key]:  # not set again by an override
-            del model[key]
+    for key in [k for k in model if k in from_file and k not in fields and k not in overridden]:
+        del model[key]
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -119,7 +118,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for item in overrides:
         apply_override(tree, item)
     if file_model is not None:
-        _switch_model(tree, file_model)
+        keys = [item.partition("=")[0].strip().split(".") for item in overrides]
+        _switch_model(tree, file_model, {k[1] for k in keys if len(k) > 1 and k[0] == "model"})
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as e:
