@@ -32,6 +32,8 @@ HELP = {
     "device": "where the messages live: cpu, cuda, or auto (cuda when present)",
     "backend": "process-group backend: gloo, nccl, or auto (nccl on cuda)",
 }
+METAVARS = {"min_bytes": "BYTES", "max_bytes": "BYTES", "p2p_bytes": "BYTES", "factor": "X",
+            "iters": "N", "warmup": "N", "json": "FILE", "csv": "FILE", "timeout": "SECONDS"}
 MEASURING = ("json", "csv", "check", "p2p")  # options that only apply when measuring
 
 
@@ -43,6 +45,7 @@ def add_comm_arguments(p: argparse.ArgumentParser) -> None:
     for action in p._actions:
         if action.dest in HELP:
             action.help = HELP[action.dest]
+            action.metavar = METAVARS.get(action.dest, action.metavar)
     p.add_argument("--nproc-per-node", type=integer(1, "--nproc-per-node 2"), default=2,
                    metavar="N", help="ranks to measure on, on this node")
     p.add_argument("--fit", metavar="RESULTS", help="instead of measuring: fit the alpha-beta "
