@@ -722,6 +722,7 @@ def children() -> set[int]:
 @pytest.mark.parametrize(("what", "line", "expected"), CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_with_the_fix_and_exit_2(workspace: Path, what: str, line: str,
                                                        expected: str) -> None:
+    """Refused in one line naming the key or path with the fix, exit 2, nothing started or written."""
     if "unreadable.yaml" in line and os.access(workspace / "bad" / "unreadable.yaml", os.R_OK):
         pytest.skip("running as root: a file without read permission can still be read")
     args = shlex.split(line.format(configs=CONFIGS, gpt=GPT))
@@ -738,6 +739,7 @@ def test_bad_input_is_one_line_with_the_fix_and_exit_2(workspace: Path, what: st
 
 
 def test_cases_are_distinct() -> None:
+    """At least 150 cases, each its own input: no id, command line or sweep spec twice."""
     assert len(CASES) >= 150
     assert len({c[0] for c in CASES}) == len(CASES), "two cases share an id"
     assert len({c[1] for c in CASES}) == len(CASES), "two cases run the same command line"
@@ -765,6 +767,7 @@ UNITS = {"timeout": "second", "bytes": "bytes", "memory": "GB", "bandwidth": "GB
 
 
 def test_every_option_of_every_subcommand_says_what_it_does_and_its_default() -> None:
+    """`--help` of every subcommand: each option has a sentence, its default and its unit."""
     from dtlab.cli import build_parser
 
     parser = build_parser()
