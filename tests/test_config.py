@@ -173,3 +173,13 @@ def test_unknown_key_suggestions_never_repeat_the_key() -> None:
                             "model.name=resnet; fix: remove model.hidden, or set model.name=cnn")
     with pytest.raises(ConfigError, match=r"did you mean 'train.lr'\?"):
         load_config(None, ["train.lrr=1"])
+
+
+def test_the_model_switch_through_the_command_line(capsys) -> None:
+    """`dtlab ... --config configs/fsdp_gpt.yaml model.name=cnn`: the CNN, nothing of the GPT."""
+    import yaml
+
+    assert main(["config", "--config", str(CONFIGS / "fsdp_gpt.yaml"), "model.name=cnn"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["model"] == load_config(None).model.model_dump(mode="json")
+    assert resolved["strategy"]["name"] == "fsdp" and resolved["train"]["optimizer"] == "adamw"
