@@ -749,8 +749,10 @@ def test_cases_are_distinct() -> None:
 
 
 def test_the_real_command_says_it_once_without_a_traceback(workspace: Path) -> None:
-    """The same refusals through `python -m dtlab` (the console script's own exit path): a 2-rank
-    train whose token file is empty, a sweep spec asking for 0 ranks."""
+    """Through `python -m dtlab` too: one line, exit 2, no traceback (2-rank tokens, a sweep spec).
+
+    The console script's own exit path: a 2-rank train whose token file is empty, a sweep spec
+    asking for 0 ranks."""
     for args, expected in (
             (["train", "--nproc-per-node", "2", *GPT.split(), "strategy.name=ddp",
               "data.dir=bad/tokens_empty"], "bad/tokens_empty/train.bin is empty; fix: "),
