@@ -14,12 +14,10 @@ from typing import NoReturn
 
 from dtlab.cli_args import (
     Parser,
-    endpoint,
+    add_launch_arguments,
     input_dir,
     input_file,
     integer,
-    key_values,
-    nonempty,
     number,
     output_dir,
     output_file,
@@ -28,27 +26,6 @@ from dtlab.compare import compare
 from dtlab.config import check_environment, check_world, load_config, to_yaml, valid_keys
 from dtlab.errors import DtlabError
 from dtlab.interrupt import Interrupted, handling, report
-
-
-def _add_launch_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE",
-                   help="YAML config file (default: the built-in quick config, configs/quick.yaml)")
-    p.add_argument("--nproc-per-node", type=integer(1, "--nproc-per-node 2"), default=1,
-                   metavar="N", help="worker processes (ranks) on this node, one per GPU; more "
-                   "than 1 starts them through torch elastic")
-    p.add_argument("--nnodes", type=integer(1, "--nnodes 2"), default=1, metavar="N",
-                   help="nodes taking part (multi-node, as torchrun)")
-    p.add_argument("--rdzv-endpoint", type=endpoint, metavar="HOST:PORT",
-                   help="rendezvous address every node can reach (default: 127.0.0.1 with a "
-                   "free port, single node only)")
-    p.add_argument("--rdzv-id", type=nonempty, default="dtlab", metavar="ID",
-                   help="job id shared by all nodes of one run")
-    p.add_argument("--max-restarts", type=integer(0, "--max-restarts 3"), default=0,
-                   metavar="N", help="restarts of the worker group after a failure; each "
-                   "restart resumes from the latest checkpoint")
-    p.add_argument("--rdzv-conf", type=key_values, default="", metavar="K=V,...",
-                   help="extra rendezvous settings, e.g. is_host=true on the node that hosts "
-                   "the c10d store (default: none)")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -168,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="train with one strategy (torchrun-compatible)")
-    _add_launch_args(p)
+    add_launch_arguments(p)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="dotted config overrides, e.g. strategy.name=fsdp train.lr=0.1 "
                    "(`dtlab config --keys` lists the keys)")

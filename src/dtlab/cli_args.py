@@ -118,6 +118,28 @@ def nonempty(text: str) -> str:
     return text
 
 
+def add_launch_arguments(p: argparse.ArgumentParser) -> None:
+    """`dtlab train`'s launch options (torchrun's)."""
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML config file (default: the built-in quick config, configs/quick.yaml)")
+    p.add_argument("--nproc-per-node", type=integer(1, "--nproc-per-node 2"), default=1,
+                   metavar="N", help="worker processes (ranks) on this node, one per GPU; more "
+                   "than 1 starts them through torch elastic")
+    p.add_argument("--nnodes", type=integer(1, "--nnodes 2"), default=1, metavar="N",
+                   help="nodes taking part (multi-node, as torchrun)")
+    p.add_argument("--rdzv-endpoint", type=endpoint, metavar="HOST:PORT",
+                   help="rendezvous address every node can reach (default: 127.0.0.1 with a "
+                   "free port, single node only)")
+    p.add_argument("--rdzv-id", type=nonempty, default="dtlab", metavar="ID",
+                   help="job id shared by all nodes of one run")
+    p.add_argument("--max-restarts", type=integer(0, "--max-restarts 3"), default=0,
+                   metavar="N", help="restarts of the worker group after a failure; each "
+                   "restart resumes from the latest checkpoint")
+    p.add_argument("--rdzv-conf", type=key_values, default="", metavar="K=V,...",
+                   help="extra rendezvous settings, e.g. is_host=true on the node that hosts "
+                   "the c10d store (default: none)")
+
+
 # ------------------------------------------------------------------------------ files and dirs
 def input_file(flag: str, path: str | Path, fix: str) -> Path:
     """A file that will be read: exists, is a file, readable. `fix` says how to make it."""
