@@ -131,3 +131,55 @@ def test_config_command_prints_resolved_yaml(capsys) -> None:
     out = capsys.readouterr().out
     assert "lr: 0.5" in out
     assert Config.model_validate(__import__("yaml").safe_load(out)).train.lr == 0.5
+
+
+def test_switching_the_model_over_a_config_of_another_model() -> None:
+    """`--config fsdp_gpt.yaml model.name=cnn` is the CNN's defaults plus model.* overrides, as
+    without --config; the file's other sections stay."""
+    cnn = load_config(CONFIGS / "fsdp_gpt.yaml", ["model.name=cnn"])
+    assert cnn.model == load_config(None).model
+    assert cnn.train.optimizer == "adamw" and cnn.train.global_batch_size == 32
+    assert cnn.strategy.name == "fsdp"
+    narrow = load_config(CONFIGS / "fsdp_gpt.yaml", ["model.channels=[8]", "model.name=cnn"])
+    assert narrow.model.channels == [8] and narrow.model.hidden == 64
+    resnet = load_config(CONFIGS / "fsdp_gpt.yaml", ["model.name=resnet", "model.depth=34"])
+    assert resnet.model.name == "resnet" and resnet.model.depth == 34
+    gpt = load_config(CONFIGS / "quick.yaml", ["model.name=gpt", "model.n_layer=2"])
+    assert gpt.model.n_layer == 2 and gpt.model.n_head == 4
+    with pytest.raises(ConfigError, match=r"^config key 'model.n_head' belongs to model.name=gpt, "
+                       r"not model.name=cnn; fix: remove model.n_head, or set model.name=gpt"):
+        load_config(CONFIGS / "fsdp_gpt.yaml", ["model.name=cnn", "model.n_head=2"])
+    with pytest.raises(ConfigError, match="'model.n_layer' belongs to model.name=gpt"):
+        load_config(CONFIGS / "fsdp_gpt.yaml", ["model.name=cnn", "model.n_layer=4"])  # as the file
+
+
+def test_a_value_is_checked_against_its_key_alone() -> None:
+    from dtlab.config import check_value
+
+    assert check_value("train.lr", 0.1) is None and check_value("model.n_layer", 2) is None
+    assert check_value("strategy.name", "ddp") is None and check_value("run.dir", "x") is None
+    assert check_value("train.lr", "fast") == (
+        "Input should be a valid number, unable to parse string as a number (got 'fast')")
+    assert check_value("model.depth", 50) == "Input should be 18 or 34 (got 50)"
+    assert "greater than or equal to 0" in check_value("data.synthetic.noise", -1)
+    assert check_value("train.lr_scale_base_batch", None) is None  # null, as YAML writes it
+    assert check_value("not.a.key", 1) is None  # unknown keys are reported by the matrix check
+
+
+def test_unknown_key_suggestions_never_repeat_the_key() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name=resnet", "model.hidden=3"])
+    assert str(e.value) == ("config key 'model.hidden' belongs to model.name=cnn, not "
+                            "model.name=resnet; fix: remove model.hidden, or set model.name=cnn")
+    with pytest.raises(ConfigError, match=r"did you mean 'train.lr'\?"):
+        load_config(None, ["train.lrr=1"])
+
+
+def test_the_model_switch_through_the_command_line(capsys) -> None:
+    """`dtlab ... --config configs/fsdp_gpt.yaml model.name=cnn`: the CNN, nothing of the GPT."""
+    import yaml
+
+    assert main(["config", "--config", str(CONFIGS / "fsdp_gpt.yaml"), "model.name=cnn"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["model"] == load_config(None).model.model_dump(mode="json")
+    assert resolved["strategy"]["name"] == "fsdp" and resolved["train"]["optimizer"] == "adamw"

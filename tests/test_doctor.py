@@ -239,4 +239,4 @@ def test_cudnn_version_encodings() -> None:
 def test_bad_arguments_are_one_line_and_exit_2() -> None:
     proc = doctor("--timeout", "0")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "dtlab: error: --timeout 0 is not positive; fix: e.g. --timeout 60"], proc.stderr
+        "dtlab: error: argument --timeout: '0' must be above 0; fix: e.g. --timeout 60"], proc.stderr

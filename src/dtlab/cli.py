@@ -12,32 +12,38 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from dtlab.cli_args import (
+    Parser,
+    add_launch_arguments,
+    input_dir,
+    input_file,
+    integer,
+    number,
+    output_dir,
+    output_file,
+)
 from dtlab.compare import compare
 from dtlab.config import check_environment, check_world, load_config, to_yaml, valid_keys
 from dtlab.errors import DtlabError
 from dtlab.interrupt import Interrupted, handling, report
 
 
-def _add_launch_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config file (default: the built-in quick config)")
-    p.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
-                   help="local worker processes (one per GPU); >1 starts them through torch elastic")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes taking part (multi-node torchrun)")
-    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (multi-node; default "
-                   "127.0.0.1 with a free port)")
-    p.add_argument("--rdzv-id", default="dtlab", help="job id shared by all nodes")
-    p.add_argument("--max-restarts", type=int, default=0, help="restarts of the worker group "
-                   "(each restart resumes from the latest checkpoint)")
-    p.add_argument("--rdzv-conf", default="", help="extra rendezvous settings, e.g. is_host=true "
-                   "on the node that hosts the c10d store")
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     world = args.nproc_per_node * args.nnodes
-    if args.nproc_per_node < 1 or args.nnodes < 1:
-        raise DtlabError("--nproc-per-node and --nnodes must be at least 1")
     if args.nnodes > 1 and not args.rdzv_endpoint:
-        raise DtlabError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT reachable from every node")
+        raise DtlabError("--nnodes > 1 needs --rdzv-endpoint; fix: add --rdzv-endpoint HOST:PORT "
+                         "reachable from every node")
+    if args.nnodes > 1 and args.rdzv_endpoint.endswith(":0"):
+        raise DtlabError(f"--rdzv-endpoint {args.rdzv_endpoint}: port 0 cannot be shared between "
+                         "nodes; fix: give a free port, e.g. HOST:29400")
+    if world == 1:
+        for flag, value, default in (("--max-restarts", args.max_restarts, 0),
+                                     ("--rdzv-endpoint", args.rdzv_endpoint, None),
+                                     ("--rdzv-id", args.rdzv_id, "dtlab"),
+                                     ("--rdzv-conf", args.rdzv_conf, "")):
+            if value != default:
+                raise DtlabError(f"{flag} applies to runs of 2 ranks or more, and this one has "
+                                 f"1; fix: remove {flag}, or add --nproc-per-node 2")
     cfg = load_config(args.config, args.overrides)  # fail before any process starts
     if world == 1:
         from dtlab.train import run
@@ -45,6 +51,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         return run(args.config, args.overrides)
     check_world(cfg, world, args.nproc_per_node)
     check_environment(cfg)
+    if cfg.data.name == "tokens":  # every rank would find a bad token file: say it once, here
+        from dtlab.data import tokens
+
+        for split in ("train", "val"):
+            tokens.open_split(Path(cfg.data.dir), split, cfg.model.vocab_size, cfg.model.block_size)
     from dtlab.launch import launch
 
     worker_args = (["--config", args.config] if args.config else []) + list(args.overrides)
@@ -58,44 +69,65 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.requeue and args.launcher != "slurm":
         raise DtlabError("--requeue needs --launcher slurm (a local run is resumed by running the "
                          "sweep again); fix: add --launcher slurm or drop --requeue")
+    if args.out:
+        output_dir("--out", args.out)
     return run_sweep(args.spec, args.launcher, args.dry_run, args.out, args.timeout, args.requeue)
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
     from dtlab.results import collect, write_csv
 
+    for d in args.dirs:
+        input_dir("DIR", d, "pass the directory of a sweep, a compare or a set of logs")
+    output = output_file("-o/--output", args.output)
     rows = collect(*map(Path, args.dirs))
-    print(f"{len(rows)} runs -> {write_csv(rows, Path(args.output))}")
+    print(f"{len(rows)} runs -> {write_csv(rows, output)}")
     return 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from dtlab.results import plot_results, read_csv
+    from dtlab.results.plot import check_plottable
 
+    fix = "write it with `dtlab collect DIR -o results.csv`"
+    results = input_file("RESULTS_CSV", args.results, fix)
+    for path in args.comm:
+        input_file("COMM_CSV", path, "write it with `dtlab comm --csv comm.csv`")
+    out = output_dir("-o/--output", args.output)
+    rows = read_csv(results)
     comm = [r for path in args.comm for r in read_csv(Path(path))]
-    figures = plot_results(read_csv(Path(args.results)), Path(args.output), comm)
+    check_plottable(rows, results, comm)
+    figures = plot_results(rows, out, comm)
     for fig in figures:
-        print(f"{Path(args.output) / fig['files'][0]}  {fig['title']}")
+        print(f"{out / fig['files'][0]}  {fig['title']}")
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from dtlab.results import write_outputs
 
-    write_outputs(Path(args.dir), Path(args.output) if args.output else None,
-                  tuple(Path(c) for c in args.comm))
+    root = input_dir("DIR", args.dir, "pass the directory of a sweep or a compare")
+    for path in args.comm:
+        input_file("--comm", path, "write it with `dtlab comm --csv comm.csv`")
+    output = output_file("-o/--output", args.output) if args.output else None
+    write_outputs(root, output, tuple(Path(c) for c in args.comm))
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from dtlab.checkpoint import export
 
-    print(f"written: {export(Path(args.checkpoint), Path(args.output))}")
+    checkpoint = input_dir("CHECKPOINT", args.checkpoint,
+                           "pass a checkpoint directory, RUN_DIR/checkpoints/step_NNNNNN")
+    print(f"written: {export(checkpoint, output_file('-o/--output', args.output))}")
     return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
     if args.keys:
+        if args.config or args.overrides:
+            raise DtlabError("--keys lists the keys of every config and takes no --config or "
+                             "overrides; fix: drop --keys to print the resolved config")
         print("\n".join(valid_keys()))
         return 0
     print(to_yaml(load_config(args.config, args.overrides)), end="")
@@ -105,61 +137,74 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from dtlab.doctor import run_doctor
 
-    if args.timeout <= 0:
-        raise DtlabError(f"--timeout {args.timeout:g} is not positive; fix: e.g. --timeout 60")
-    if args.nproc_per_node is not None and args.nproc_per_node < 1:
-        raise DtlabError("--nproc-per-node must be at least 1; fix: e.g. --nproc-per-node 2")
     return run_doctor(args.json, args.nproc_per_node, args.timeout, smoke=not args.no_smoke)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dtlab", description="A distributed-training lab for PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="dtlab", description="A distributed-training lab for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="train with one strategy (torchrun-compatible)")
-    _add_launch_args(p)
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. strategy.name=fsdp train.lr=0.1")
+    add_launch_arguments(p)
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted config overrides, e.g. strategy.name=fsdp train.lr=0.1 "
+                   "(`dtlab config --keys` lists the keys)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("compare", help="run several strategies on one config and tabulate them")
-    p.add_argument("--strategies", default="single,ddp,fsdp,fsdp1",
-                   help="comma list; fsdp1:SHARD_GRAD_OP selects a sharding strategy, pp:gpipe a "
-                        "pipeline schedule, @MP or @DPxMP a mesh (fsdp_tp@2x2 runs on 4 ranks)")
-    p.add_argument("--nproc-per-node", type=int, default=2, metavar="N")
-    p.add_argument("--config")
-    p.add_argument("--out", default="runs/compare", help="directory for the runs and compare.csv")
+    p.add_argument("--strategies", default="single,ddp,fsdp,fsdp1", metavar="LIST",
+                   help="comma list of strategies; fsdp1:SHARD_GRAD_OP selects a sharding "
+                        "strategy, pp:gpipe a pipeline schedule, @MP or @DPxMP a mesh "
+                        "(fsdp_tp@2x2 runs on 4 ranks)")
+    p.add_argument("--nproc-per-node", type=integer(1, "--nproc-per-node 2"), default=2,
+                   metavar="N", help="ranks of each multi-process strategy (single runs on 1)")
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML config file (default: the built-in quick config)")
+    p.add_argument("--out", default="runs/compare", metavar="DIR",
+                   help="directory for the runs, compare.csv and compare.json")
     p.add_argument("--verify", action="store_true",
                    help="check per-step losses and final parameters against `single`")
-    p.add_argument("--tolerance", type=float, default=1e-5, help="largest relative deviation allowed")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("--tolerance", type=number(0, "--tolerance 1e-5"), metavar="REL",
+                   help="with --verify: largest relative deviation allowed, a fraction "
+                   "(default: 1e-05)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted config overrides applied to every strategy")
     p.set_defaults(func=compare)
 
     p = sub.add_parser("sweep", help="run every combination of a matrix, locally or on SLURM")
-    p.add_argument("spec", help="sweep spec YAML (base config, overrides, matrix)")
-    p.add_argument("--launcher", choices=["local", "slurm"], default="local")
+    p.add_argument("spec", help="sweep spec YAML: base config, overrides, matrix (docs/sweeps.md)")
+    p.add_argument("--launcher", choices=["local", "slurm"], default="local",
+                   help="where the runs go: this machine, one after another, or SLURM jobs")
     p.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
-    p.add_argument("--out", help="output directory (default: sweeps/<spec name>)")
-    p.add_argument("--timeout", type=float, help="seconds per run (default: the spec's timeout_s)")
+    p.add_argument("--out", metavar="DIR", help="output directory (default: sweeps/<spec name>)")
+    p.add_argument("--timeout", type=number(0, "--timeout 900", inclusive=False),
+                   metavar="SECONDS", help="wall-clock limit per run, in seconds "
+                   "(default: the spec's timeout_s, 1800)")
     p.add_argument("--requeue", action="store_true",
                    help="SLURM: a job stopped by SIGTERM (preemption, scontrol requeue) or by "
                         "run.checkpoint_signal saves a checkpoint and is requeued; it resumes there")
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("collect", help="one CSV row per run found under the directories")
-    p.add_argument("dirs", nargs="+")
-    p.add_argument("-o", "--output", default="results.csv")
+    p.add_argument("dirs", nargs="+", metavar="DIR",
+                   help="directories of sweeps, compares or logs with [METRIC] lines")
+    p.add_argument("-o", "--output", default="results.csv", metavar="CSV",
+                   help="CSV file to write")
     p.set_defaults(func=cmd_collect)
 
     p = sub.add_parser("plot", help="scaling, memory and accuracy figures from results.csv")
-    p.add_argument("results")
-    p.add_argument("comm", nargs="*", help="collective-benchmark CSVs (dtlab comm --csv)")
-    p.add_argument("-o", "--output", default="plots")
+    p.add_argument("results", metavar="RESULTS_CSV", help="CSV written by `dtlab collect`")
+    p.add_argument("comm", nargs="*", metavar="COMM_CSV",
+                   help="collective-benchmark CSVs written by `dtlab comm --csv` (default: none)")
+    p.add_argument("-o", "--output", default="plots", metavar="DIR",
+                   help="directory for the PNG and SVG figures and index.json")
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("report", help="results.csv, plots and one self-contained report.html")
-    p.add_argument("dir")
-    p.add_argument("-o", "--output", help="default: DIR/report.html")
-    p.add_argument("--comm", nargs="*", default=[], help="collective-benchmark CSVs")
+    p.add_argument("dir", metavar="DIR", help="directory of a sweep or a compare")
+    p.add_argument("-o", "--output", metavar="HTML", help="report file (default: DIR/report.html)")
+    p.add_argument("--comm", nargs="*", default=[], metavar="COMM_CSV",
+                   help="collective-benchmark CSVs written by `dtlab comm --csv`")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("comm", help="collective benchmarks (nccl-tests format) and cost model")
@@ -184,23 +229,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_advise)
 
     p = sub.add_parser("export", help="a checkpoint's full model as one safetensors file")
-    p.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_NNNNNN")
-    p.add_argument("-o", "--output", default="model.safetensors")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory, "
+                   "RUN_DIR/checkpoints/step_NNNNNN")
+    p.add_argument("-o", "--output", default="model.safetensors", metavar="FILE",
+                   help="safetensors file to write")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("config", help="print the resolved config (or --keys: every valid key)")
-    p.add_argument("--config")
-    p.add_argument("--keys", action="store_true")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML config file (default: the built-in quick config)")
+    p.add_argument("--keys", action="store_true", help="list every valid dotted key instead")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("doctor", help="check torch, backends, devices, environment, network and "
                        "a 2-rank collective; each problem with its cause and fix (exit 1 on failure)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--nproc-per-node", type=int, metavar="N", help="ranks per node to check for "
-                   "(default: LOCAL_WORLD_SIZE, else one per GPU, else 2)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds before the collective "
-                   "smoke test's ranks are killed (default 60)")
+    p.add_argument("--nproc-per-node", type=integer(1, "--nproc-per-node 2"), metavar="N",
+                   help="ranks per node to check for (default: LOCAL_WORLD_SIZE, else one per "
+                   "GPU, else 2)")
+    p.add_argument("--timeout", type=number(0, "--timeout 60", inclusive=False), default=60.0,
+                   metavar="SECONDS", help="seconds before the collective smoke test's ranks "
+                   "are killed")
     p.add_argument("--no-smoke", action="store_true", help="skip the collective smoke test")
     p.set_defaults(func=cmd_doctor)
     return parser

@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dtlab.config import load_config
+from dtlab.cli_args import output_dir
+from dtlab.config import check_environment, check_world, load_config
+from dtlab.errors import ConfigError
 from dtlab.interrupt import INTERRUPT_CODES, Interrupted, forwarding, requested
 from dtlab.strategies import registry
 from dtlab.strategies.registry import parse as parse_spec
@@ -103,13 +105,46 @@ def run_train(cmd: list[str]) -> int:
     return code
 
 
-def compare(args: argparse.Namespace) -> int:
-    specs = [s.strip() for s in args.strategies.split(",") if s.strip()]
+def check_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
+    """{strategy spec: its overrides}, after checking every argument and every strategy against
+    the config and its rank count: a mistake stops the comparison before any run starts."""
+    specs = [s.strip() for s in args.strategies.split(",")]
+    if not any(specs):
+        raise ConfigError(f"--strategies '{args.strategies}' names no strategy; fix: e.g. "
+                          "--strategies single,ddp,fsdp")
+    for spec in specs:
+        if not spec or specs.count(spec) > 1:
+            what = "an empty entry" if not spec else f"'{spec}' twice"
+            raise ConfigError(f"--strategies '{args.strategies}' has {what}; fix: list each "
+                              "strategy once, separated by commas")
+    if args.tolerance is not None and not args.verify:
+        raise ConfigError("--tolerance applies to --verify; fix: add --verify, or remove "
+                          "--tolerance")
+    args.tolerance = 1e-5 if args.tolerance is None else args.tolerance
+    if any(o.strip().startswith("run.dir=") for o in args.overrides):
+        raise ConfigError("run.dir is chosen by compare (OUT/<strategy>); fix: remove the run.dir "
+                          "override, and give --out DIR")
+    output_dir("--out", args.out)
     ref = registry.REFERENCE
     if args.verify and ref not in specs:
         specs.insert(0, ref)
-    plans = {spec: parse_spec(spec) for spec in specs}
-    load_config(args.config, args.overrides)  # report config mistakes before running anything
+    load_config(args.config, args.overrides)  # mistakes of the config itself, said once
+    plans = {}
+    for spec in specs:
+        plans[spec] = parse_spec(spec)
+        nproc = spec_ranks(spec, args.nproc_per_node)
+        try:
+            cfg = load_config(args.config, [*args.overrides, *plans[spec]])
+            check_world(cfg, nproc, nproc)
+            check_environment(cfg)
+        except ConfigError as e:
+            raise ConfigError(f"--strategies {spec} on {nproc} rank(s): {e}") from None
+    return plans
+
+
+def compare(args: argparse.Namespace) -> int:
+    plans = check_arguments(args)
+    ref = registry.REFERENCE
     out = Path(args.out)
     extra = ["run.progress=false"] + (["run.log_every=1", "run.save_model=true"] if args.verify else [])
     rows, failed, results = [], [], {}

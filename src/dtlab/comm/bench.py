@@ -44,7 +44,7 @@ def parse_size(text: str) -> int:
     unit = t[-1] if t and t[-1] in UNITS else ""
     try:
         value = int(float(t[: len(t) - len(unit)]) * UNITS[unit])
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, or inf/nan
         raise argparse.ArgumentTypeError(f"'{text}' is not a size such as 8, 64K, 128M or 1G") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got '{text}'")

@@ -8,9 +8,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
+from dtlab.cli_args import input_file, integer, output_file
 from dtlab.errors import DtlabError
+
+# The benchmark's own options (dtlab/comm/bench.py) as `dtlab comm --help` explains them.
+HELP = {
+    "op": "collective to measure, or all of them",
+    "min_bytes": "smallest message size in bytes (K, M, G: binary multiples)",
+    "max_bytes": "largest message size in bytes (K, M, G: binary multiples; default: 32M)",
+    "factor": "size multiplier between two measured sizes, above 1",
+    "dtype": "element type of the messages",
+    "iters": "timed repetitions per size",
+    "warmup": "untimed repetitions per size before the timed ones",
+    "check": "verify every element of every result",
+    "p2p": "also measure every pair of ranks",
+    "p2p_bytes": "message size of the pairwise measurement in bytes (default: 16M)",
+    "json": "write every measurement to this JSON file (the input of --fit)",
+    "csv": "write one row per op and size to this CSV file (for dtlab plot)",
+    "timeout": "process-group timeout in seconds",
+    "device": "where the messages live: cpu, cuda, or auto (cuda when present)",
+    "backend": "process-group backend: gloo, nccl, or auto (nccl on cuda)",
+}
+METAVARS = {"min_bytes": "BYTES", "max_bytes": "BYTES", "p2p_bytes": "BYTES", "factor": "X",
+            "iters": "N", "warmup": "N", "json": "FILE", "csv": "FILE", "timeout": "SECONDS"}
+MEASURING = ("json", "csv", "check", "p2p")  # options that only apply when measuring
 
 
 def add_comm_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,18 +42,78 @@ def add_comm_arguments(p: argparse.ArgumentParser) -> None:
     from dtlab.comm.bench import add_arguments
 
     add_arguments(p)
-    p.add_argument("--nproc-per-node", type=int, default=2, metavar="N")
-    p.add_argument("--fit", metavar="RESULTS", help="fit the alpha-beta model to a --json file")
+    for action in p._actions:
+        if action.dest in HELP:
+            action.help = HELP[action.dest]
+            action.metavar = METAVARS.get(action.dest, action.metavar)
+    p.add_argument("--nproc-per-node", type=integer(1, "--nproc-per-node 2"), default=2,
+                   metavar="N", help="ranks to measure on, on this node")
+    p.add_argument("--fit", metavar="RESULTS", help="instead of measuring: fit the alpha-beta "
+                   "model to a file written by --json")
     p.add_argument("--predict", nargs="*", default=[], metavar="OP:SIZE:RANKS",
-                   help="with --fit: predicted times, e.g. all_reduce:64M:8")
+                   help="with --fit: predicted times, e.g. all_reduce:64M:8 (SIZE in bytes, "
+                   "K/M/G suffixes) (default: none)")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Everything the measurement or the fit will need, before either starts."""
+    from dtlab.comm.bench import parse_size, validate
+    from dtlab.comm.ops import OPS
+
+    if args.predict and not args.fit:
+        raise DtlabError("--predict needs --fit RESULTS (a file written by --json); fix: add "
+                         "--fit comm.json, or measure first with --json comm.json")
+    for q in args.predict:
+        fix = "; fix: write OP:SIZE:RANKS, e.g. all_reduce:64M:8"
+        parts = q.split(":")
+        if len(parts) != 3:
+            raise DtlabError(f"--predict '{q}' is not OP:SIZE:RANKS{fix}")
+        op, size, ranks = parts
+        if op not in OPS:
+            raise DtlabError(f"--predict '{q}': unknown collective '{op}'; fix: use one of "
+                             f"{', '.join(OPS)}")
+        try:
+            parse_size(size)
+        except argparse.ArgumentTypeError as e:
+            raise DtlabError(f"--predict '{q}': {e}{fix}") from None
+        if not ranks.isdigit() or int(ranks) < 1:
+            raise DtlabError(f"--predict '{q}': ranks '{ranks}' is not a whole number of at "
+                             f"least 1{fix}")
+    if args.fit:
+        given = [f"--{k.replace('_', '-')}" for k in MEASURING if getattr(args, k)]
+        if given:
+            raise DtlabError(f"{' '.join(given)} apply to a measurement, not to --fit; fix: "
+                             "remove them, or drop --fit to measure")
+        path = input_file("--fit", args.fit, f"measure first with dtlab comm --json {args.fit}")
+        try:
+            rows = json.loads(path.read_bytes().decode())
+        except ValueError:
+            rows = None
+        if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+            raise DtlabError(f"--fit '{path}' is not a dtlab comm --json file (a list of "
+                             f"measurements); fix: measure with dtlab comm --json {path}")
+        return
+    for flag, value, low, example in (("--factor", args.factor, 1, 2), ("--timeout", args.timeout,
+                                                                        0, 300)):
+        if not math.isfinite(value) or value <= low:
+            raise DtlabError(f"{flag} {value:g} is not a finite number above {low}; fix: e.g. "
+                             f"{flag} {example}")
+    if args.iters < 1 or args.warmup < 0:
+        raise DtlabError(f"--iters {args.iters} --warmup {args.warmup}: at least 1 timed and 0 "
+                         "untimed repetitions; fix: e.g. --iters 20 --warmup 5")
+    if args.min_bytes > args.max_bytes:
+        raise DtlabError(f"--min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}; "
+                         "fix: swap them, or e.g. --min-bytes 8 --max-bytes 32M")
+    validate(args)
+    for flag, path in (("--json", args.json), ("--csv", args.csv)):
+        if path:
+            output_file(flag, path)
 
 
 def run_comm(args: argparse.Namespace) -> int:
+    check_arguments(args)
     if args.fit:
         return fit_and_predict(Path(args.fit), args.predict)
-    from dtlab.comm.bench import validate
-
-    validate(args)
     forwarded = []
     for name in ("op", "min_bytes", "max_bytes", "factor", "dtype", "iters", "warmup", "p2p_bytes",
                  "timeout", "device", "backend", "corrupt_rank"):
@@ -37,8 +121,6 @@ def run_comm(args: argparse.Namespace) -> int:
     forwarded += ["--check"] * args.check + ["--p2p"] * args.p2p
     forwarded += ["--json", str(Path(args.json).resolve())] if args.json else []
     forwarded += ["--csv", str(Path(args.csv).resolve())] if args.csv else []
-    if args.nproc_per_node < 1:
-        raise DtlabError("--nproc-per-node must be at least 1")
     if args.nproc_per_node == 1:
         from dtlab.comm.bench import main
 

@@ -3,6 +3,7 @@ and the checks that need the world size (`world.py`)."""
 
 from dtlab.config.load import (
     apply_override,
+    check_value,
     format_validation_error,
     load_config,
     parse_value,
@@ -36,7 +37,7 @@ from dtlab.errors import ConfigError
 __all__ = [
     "STRATEGIES", "CNNConfig", "Config", "ConfigError", "DataConfig", "FaultConfig",
     "GPTConfig", "ModelConfig", "ResNetConfig", "RunConfig", "StrategyConfig", "SyntheticConfig",
-    "TrainConfig", "apply_override", "check_environment", "check_world", "data_parallel_size",
+    "TrainConfig", "apply_override", "check_value", "check_environment", "check_world", "data_parallel_size",
     "format_validation_error", "micro_batch", "model_parallel_size",
     "load_config", "parse_value", "read_yaml", "to_yaml", "valid_keys",
 ]

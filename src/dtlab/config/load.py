@@ -7,12 +7,13 @@ and exits 2.
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from dtlab.config.schema import CNNConfig, Config, GPTConfig, ResNetConfig
 from dtlab.errors import ConfigError
@@ -40,43 +41,85 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
+def read_yaml(path: str | Path, what: str = "config file",
+              fix: str = "pass an existing YAML file to --config",
+              empty_fix: str = "write its settings into it, or leave out --config to use the "
+                               "built-in defaults") -> dict[str, Any]:
+    """The mapping in a YAML file; anything else (no file, a directory, unreadable, binary, not
+    YAML, empty, not a mapping) is a ConfigError naming the file and the fix."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{what} '{p}' is a directory, not a file; fix: {fix}")
     if not p.is_file():
-        raise ConfigError(f"config file '{p}' not found; fix: pass an existing file to --config")
+        raise ConfigError(f"{what} '{p}' not found; fix: {fix}")
     try:
-        data = yaml.load(p.read_text(), Loader=_Loader)  # noqa: S506
+        text = p.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"{what} '{p}' cannot be read ({e.strerror}); fix: check its "
+                          "permissions (chmod u+r)") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} '{p}' is not UTF-8 text (byte {e.start}); fix: {fix}, "
+                          "not a binary file") from None
+    try:
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}" if where else ""
-        raise ConfigError(f"config file '{p}' is not valid YAML{line}; fix its syntax") from None
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{what} '{p}' is not valid YAML{line} ({problem}); fix: correct the "
+                          "syntax there (plain YAML: no tags, one document)") from None
     if data is None:
-        return {}
+        raise ConfigError(f"{what} '{p}' is empty (or only comments); fix: {empty_fix}")
     if not isinstance(data, dict):
-        raise ConfigError(f"config file '{p}' must hold a mapping of sections, not {type(data).__name__}")
+        raise ConfigError(f"{what} '{p}' must hold a mapping of sections (key: value lines), "
+                          f"not a {type(data).__name__}; fix: e.g. `train: {{lr: 0.1}}`")
+    for key in data:
+        if not isinstance(key, str):
+            raise ConfigError(f"{what} '{p}': key {key!r} is not a name; fix: use section "
+                              "names such as train, model, strategy (`dtlab config --keys`)")
     return data
 
 
 def apply_override(tree: dict[str, Any], item: str) -> None:
     key, sep, value = item.partition("=")
     key = key.strip()
-    if not sep or not key:
-        raise ConfigError(f"override '{item}' must look like key=value, e.g. train.lr=0.1")
+    if not sep or not key or "" in key.split("."):
+        raise ConfigError(f"override '{item}' must look like key=value; fix: e.g. train.lr=0.1")
     node = tree
     parts = key.split(".")
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override '{item}': '{part}' is a value, not a section")
+            raise ConfigError(f"override '{item}': '{part}' is a value, not a section; fix: "
+                              "see `dtlab config --keys` for valid keys")
         node = child
     node[parts[-1]] = parse_value(value)
+
+
+def _switch_model(tree: dict[str, Any], from_file: dict[str, Any], overridden: set[str]) -> None:
+    """When the overrides name another model than the file, the file's options of its own model
+    go: `--config gpt.yaml model.name=cnn` gives the cnn defaults (as without --config) plus the
+    model.* overrides (`overridden`: the option names they set)."""
+    model = tree.get("model")
+    if not isinstance(model, dict):
+        return
+    before, after = from_file.get("name", "cnn"), model.get("name", "cnn")
+    if before == after or after not in _MODELS:
+        return
+    fields = _MODELS[after].model_fields
+    for key in [k for k in model if k in from_file and k not in fields and k not in overridden]:
+        del model[key]
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML config (or the built-in quick defaults), apply overrides and validate."""
     tree = read_yaml(path) if path is not None else {}
+    file_model = dict(tree["model"]) if isinstance(tree.get("model"), dict) else None
     for item in overrides:
         apply_override(tree, item)
+    if file_model is not None:
+        keys = [item.partition("=")[0].strip().split(".") for item in overrides]
+        _switch_model(tree, file_model, {k[1] for k in keys if len(k) > 1 and k[0] == "model"})
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as e:
@@ -87,17 +130,61 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
+def _fields(key: str) -> list[Any]:
+    """The schema fields a dotted key names (model.* may belong to several models)."""
+    models: list[type[BaseModel]] = [Config]
+    *sections, last = key.split(".")
+    for part in sections:
+        subs: list[type[BaseModel]] = []
+        for m in models:
+            field = m.model_fields.get(part)
+            if m is Config and part == "model":
+                subs += list(_MODELS.values())
+            elif field is not None and isinstance(field.annotation, type) and issubclass(
+                    field.annotation, BaseModel):
+                subs.append(field.annotation)
+        models = subs
+    return [m.model_fields[last] for m in models if last in m.model_fields]
+
+
+def check_value(key: str, value: Any) -> str | None:
+    """Why `key=value` is wrong by itself (its type or range), or None. Checks of combinations
+    (one key against another) are left to the whole config."""
+    fields = _fields(key)
+    if not fields:
+        return None
+    value = parse_value(_format(value))  # as an override passes it
+    problem = None
+    for field in fields:
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            return None
+        try:
+            kind = (Annotated[(field.annotation, *field.metadata)] if field.metadata
+                    else field.annotation)
+            TypeAdapter(kind).validate_python(value)
+            return None
+        except ValidationError as e:
+            problem = e.errors()[0]["msg"]
+        except Exception:  # noqa: BLE001 - a field pydantic cannot check alone: the config will
+            return None
+    return f"{problem} (got {value!r})"
+
+
+def _format(value: Any) -> str:
+    return json.dumps(value) if value is None or isinstance(value, (list, dict)) else str(value)
+
+
 def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
 # ---------------------------------------------------------------------------- error messages
-_MODEL_TAGS = {"cnn", "resnet", "gpt"}
+_MODELS: dict[str, type[BaseModel]] = {"cnn": CNNConfig, "resnet": ResNetConfig, "gpt": GPTConfig}
 
 
 def _dotted(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in loc]
-    if len(parts) > 1 and parts[0] == "model" and parts[1] in _MODEL_TAGS:
+    if len(parts) > 1 and parts[0] == "model" and parts[1] in _MODELS:
         del parts[1]  # pydantic puts the union tag in the location
     return ".".join(parts)
 
@@ -108,7 +195,7 @@ def valid_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
         ann = field.annotation
         subs = [ann] if isinstance(ann, type) and issubclass(ann, BaseModel) else []
         if name == "model" and model is Config:
-            subs = [CNNConfig, ResNetConfig, GPTConfig]
+            subs = list(_MODELS.values())
         for sub in subs:
             keys += valid_keys(sub, f"{prefix}{name}.")
         if not subs:
@@ -116,20 +203,36 @@ def valid_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
     return sorted(set(keys))
 
 
-def format_validation_error(e: ValidationError) -> str:
+def _unknown_key(key: str, loc: tuple[Any, ...]) -> str:
+    if key.startswith("model.") and len(loc) > 1 and loc[1] in _MODELS:
+        name, option = str(loc[1]), key.removeprefix("model.")
+        owners = [n for n, m in _MODELS.items() if option in m.model_fields]
+        if owners:  # an option of another model: say which, and how to get it
+            return (f"config key '{key}' belongs to model.name={' or '.join(owners)}, not "
+                    f"model.name={name}; fix: remove {key}, or set model.name={owners[0]}")
+        choices = valid_keys(_MODELS[name], "model.")
+    else:
+        choices = valid_keys()
+    close = difflib.get_close_matches(key, [k for k in choices if k != key], n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'?" if close else "see `dtlab config --keys` for valid keys"
+    return f"unknown config key '{key}'; fix: remove it ({hint})"
+
+
+def format_validation_error(e: ValidationError, overrides: bool = True) -> str:
+    """One line: the first problem, its key and the fix (`overrides`: the key can also be given
+    as key=value on the command line)."""
     errors = e.errors()
     err = errors[0]
     key = _dotted(err["loc"])
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
     if err["type"] == "extra_forbidden":
-        close = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.6)
-        hint = f"did you mean '{close[0]}'?" if close else "see `dtlab config --keys` for valid keys"
-        return f"unknown config key '{key}'; fix: remove it ({hint}){more}"
+        return _unknown_key(key, err["loc"]) + more
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "value_error":  # our own checks already name keys and fixes
         return msg + more
     if err["type"] == "union_tag_invalid":
-        return f"{key}.name: {msg}; fix: use one of cnn, resnet, gpt{more}"
+        return f"{key}.name: {msg}; fix: use one of {', '.join(_MODELS)}{more}"
     got = err.get("input")
     shown = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
-    return f"{key}: {msg}{shown}; fix: set {key} to a valid value in the file or as {key}=...{more}"
+    where = f"in the file or as {key}=..." if overrides else "in the file"
+    return f"{key}: {msg}{shown}; fix: set {key} to a valid value {where}{more}"

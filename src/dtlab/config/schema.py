@@ -129,7 +129,8 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> TrainConfig:
         if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
-            raise ValueError("train.nesterov needs train.optimizer=sgd and train.momentum > 0")
+            raise ValueError("train.nesterov needs train.optimizer=sgd and train.momentum > 0; "
+                             "fix: set those, or train.nesterov=false")
         return self
 
 

@@ -13,6 +13,21 @@ import numpy as np
 from dtlab.errors import DataError
 
 
+def declared_vocab(meta: Path) -> int | None:
+    """meta.json's vocab_size, None without the file; a damaged file is a DataError."""
+    if not meta.is_file():
+        return None
+    try:
+        data = json.loads(meta.read_bytes().decode())
+    except ValueError:
+        data = None
+    vocab = data.get("vocab_size") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not (vocab is None or (isinstance(vocab, int) and vocab > 0)):
+        raise DataError(f"{meta} is not a JSON object with a positive whole vocab_size; fix: "
+                        'write e.g. {"vocab_size": 50304}, or remove the file')
+    return vocab
+
+
 def open_split(folder: Path, split: str, vocab_size: int, seq_len: int) -> np.ndarray:
     path = Path(folder) / f"{split}.bin"
     if not path.is_file():
@@ -21,14 +36,15 @@ def open_split(folder: Path, split: str, vocab_size: int, seq_len: int) -> np.nd
         )
     if path.stat().st_size % 2:
         raise DataError(f"{path} has an odd number of bytes, not uint16 tokens; fix: rewrite it")
+    if path.stat().st_size == 0:  # numpy cannot map an empty file
+        raise DataError(f"{path} is empty; fix: write {split}.bin (uint16 token ids) into data.dir")
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
     if len(tokens) < seq_len + 1:
         raise DataError(
             f"{path} holds {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}; "
             "fix: use more data or a smaller model.block_size"
         )
-    meta = Path(folder) / "meta.json"
-    declared = json.loads(meta.read_text()).get("vocab_size") if meta.is_file() else None
+    declared = declared_vocab(Path(folder) / "meta.json")
     top = int(tokens.max())
     if top >= vocab_size or (declared is not None and declared > vocab_size):
         raise DataError(

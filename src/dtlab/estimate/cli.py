@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import textwrap
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from dtlab.cli_args import input_file
 from dtlab.errors import DtlabError
 from dtlab.estimate.memory import PRECISIONS
 from dtlab.strategies import registry
@@ -31,6 +33,8 @@ def count(text: str) -> float:
         value = float(t[:-1] if scale != 1.0 else t) * scale
     except ValueError:
         raise ValueError(f"'{text}' is not a count such as 7e9, 7B or 125M") from None
+    if not math.isfinite(value):
+        raise ValueError(f"'{text}' is not a finite count such as 7e9, 7B or 125M")
     if value < 1:
         raise ValueError(f"'{text}' must be at least 1")
     return value
@@ -53,65 +57,99 @@ def validate(args: argparse.Namespace) -> None:
         if isinstance(text, str):
             try:
                 setattr(args, name, kind(text))
-            except ValueError as e:
-                why = e if kind is count else f"'{text}' is not a {kind.__name__}"
+            except (ValueError, OverflowError) as e:
+                what = "whole number" if kind is int else "number"
+                why = e if kind is count else f"'{text}' is not a {what}"
                 raise DtlabError(f"{flag}: {why}{fix}") from None
+            if not math.isfinite(getattr(args, name)):
+                raise DtlabError(f"{flag}: '{text}' is not a finite number{fix}")
             if getattr(args, name) <= 0:
                 raise DtlabError(f"{flag}: '{text}' must be positive{fix}")
     for name, allowed in CHOICES.items():
         if getattr(args, name, None) not in (None, *allowed):
             raise DtlabError(f"--{name} '{getattr(args, name)}' is not one of {', '.join(allowed)}")
+    reserve = getattr(args, "reserve", "0")
     try:
-        args.reserve = float(getattr(args, "reserve", 0))
+        args.reserve = float(reserve)
     except ValueError:
-        raise DtlabError(f"--reserve '{args.reserve}' is not a number of GB") from None
+        args.reserve = math.nan
+    if not math.isfinite(args.reserve) or args.reserve < 0:
+        raise DtlabError(f"--reserve '{reserve}' is not a number of GB, 0 or more; fix: e.g. "
+                         "--reserve 2")
+    if getattr(args, "strategies", None) is not None and not args.strategies.replace(",", "").strip():
+        raise DtlabError(f"--strategies '{args.strategies}' names no strategy; fix: e.g. "
+                         f"--strategies {DEFAULT_STRATEGIES}")
+    if getattr(args, "comm_results", None) and args.bandwidth:
+        raise DtlabError("--comm-results and --bandwidth both set a link speed; fix: give one")
+    if getattr(args, "comm_results", None):
+        path = input_file("--comm-results", args.comm_results,
+                          f"measure with dtlab comm --op all --json {args.comm_results}")
+        try:
+            path.read_bytes().decode()
+        except UnicodeDecodeError:
+            raise DtlabError(f"--comm-results '{path}' is not a dtlab comm --json/--csv file "
+                             "(binary); fix: pass what dtlab comm --json FILE wrote") from None
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (a dtlab config, or a parameter count)")
-    for flag, text in (
-        ("--config", "dtlab YAML config: its model, optimizer, precision, batch"),
-        ("--n-params", "parameter count, e.g. 7e9 or 7B"),
-        ("--n-layer", "layers (--n-params; default: by rule)"), ("--hidden", "hidden size (--n-params)"),
-        ("--n-head", "attention heads (default hidden/128)"),
-        ("--seq-len", "sequence length (--n-params; activations are estimated when given)"),
-        ("--optimizer", f"{', '.join(OPTIMIZERS)} (default adamw; --config: its own)"),
-        ("--precision", "fp32; bf16/fp16: 16-bit weights and gradients with fp32 master weights; "
-                        "*-autocast: fp32 state, 16-bit compute (default fp32; --config: its own)"),
-        ("--micro-batch", "samples per rank per micro step (default 1; --config: its own)"),
-        ("--ranks-per-node", "default min(8, world size)")):
-        g.add_argument(flag, help=text)
-    g.add_argument("--vocab", default="32000", help="vocabulary (default 32000)")
+    for flag, metavar, text in (
+        ("--config", "FILE", "dtlab YAML config whose model, optimizer, precision and batch are "
+                             "estimated (default: none; give this or --n-params)"),
+        ("--n-params", "N", "parameter count of a GPT-like model, e.g. 7e9 or 7B (default: none; "
+                            "give this or --config)"),
+        ("--n-layer", "N", "transformer layers, with --n-params (default: by the hidden = 128 x "
+                           "layers rule)"),
+        ("--hidden", "N", "hidden size, with --n-params (default: 128 x layers)"),
+        ("--n-head", "N", "attention heads, with --n-params (default: hidden / 128)"),
+        ("--seq-len", "TOKENS", "sequence length in tokens, with --n-params; activations are "
+                                "estimated when given (default: none, state only)"),
+        ("--optimizer", "NAME", f"one of {', '.join(OPTIMIZERS)} (default: adamw; --config: "
+                                "its own)"),
+        ("--precision", "NAME", "fp32; bf16/fp16: 16-bit weights and gradients with fp32 master "
+                                "weights; *-autocast: fp32 state, 16-bit compute (default: fp32; "
+                                "--config: its own)"),
+        ("--micro-batch", "N", "samples per rank per micro step (default: 1; --config: its own)"),
+        ("--ranks-per-node", "N", "ranks (GPUs) per node (default: min(8, world size))")):
+        g.add_argument(flag, metavar=metavar, help=text)
+    g.add_argument("--vocab", default="32000", metavar="TOKENS",
+                   help="vocabulary size in tokens, with --n-params")
     g.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing of every block (the totals use it)")
     c = p.add_argument_group("communication time (optional)")
     for flag, metavar, text in (
-        ("--bandwidth", "GB/s", "per-link bandwidth inside a node (everywhere, without the next option)"),
-        ("--inter-node-bandwidth", "GB/s", None),
-        ("--comm-results", "FILE", "a dtlab comm --json/--csv file: times from its alpha-beta fit"),
-        ("--backend", None, "nccl or gloo (gloo's reduce-scatter is an all-reduce); default nccl, "
-                            "--config: what its run would use")):
+        ("--bandwidth", "GB/s", "per-link bandwidth inside a node in GB/s, used everywhere "
+                                "without --inter-node-bandwidth (default: none, no times)"),
+        ("--inter-node-bandwidth", "GB/s", "per-link bandwidth between nodes in GB/s "
+                                           "(default: --bandwidth)"),
+        ("--comm-results", "FILE", "a dtlab comm --json/--csv file: times from its alpha-beta fit "
+                                   "(default: none)"),
+        ("--backend", "NAME", "nccl or gloo (gloo's reduce-scatter is an all-reduce) (default: "
+                              "nccl; --config: what its run would use)")):
         c.add_argument(flag, metavar=metavar, help=text)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("overrides", nargs="*", help="with --config: dotted overrides")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="with --config: dotted config overrides (default: none)")
 
 
 def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
-    p.add_argument("--world-size", default="8", help="ranks (default 8)")
-    p.add_argument("--strategies", help=f"comma list (default {DEFAULT_STRATEGIES}): ddp, zero1, "
+    p.add_argument("--world-size", default="8", metavar="N", help="ranks (GPUs) in total")
+    p.add_argument("--strategies", metavar="LIST",
+                   help=f"comma list (default: {DEFAULT_STRATEGIES}): ddp, zero1, "
                    "zero2, zero3, hybrid:S, with +offload; with --config also dtlab's strategies "
                    "(fsdp, fsdp1:SHARD_GRAD_OP, tp...): measured under torch's fake backend")
 
 
 def add_advise_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
-    p.add_argument("--gpus", help="GPUs in total (required)")
-    p.add_argument("--gpu-memory", metavar="GB", help="memory per GPU (required)")
+    p.add_argument("--gpus", metavar="N", help="GPUs in total (required, no default)")
+    p.add_argument("--gpu-memory", metavar="GB", help="memory per GPU in GB (required, no "
+                   "default)")
     p.add_argument("--host-memory", metavar="GB",
-                   help="host memory per node, for offloading (default: not checked)")
+                   help="host memory per node in GB, for offloading (default: not checked)")
     p.add_argument("--reserve", default="0", metavar="GB",
-                   help="per GPU memory to keep free: CUDA context, allocator (default 0)")
+                   help="memory per GPU to keep free in GB: CUDA context, allocator (default: 0)")
 
 
 # ------------------------------------------------------------------------------ building a setup
@@ -125,8 +163,6 @@ def build_setup(args: argparse.Namespace, world: int) -> Any:
     if not (args.config or args.n_params or args.overrides):
         raise DtlabError("no model given; fix: --n-params 7e9, or --config FILE (or overrides of "
                          "the built-in config, e.g. model.name=gpt)")
-    if args.comm_results and args.bandwidth:
-        raise DtlabError("--comm-results and --bandwidth both set a link speed; fix: give one")
     ranks_per_node, inter = args.ranks_per_node or min(8, world), args.inter_node_bandwidth
     if args.n_params is None:  # a config (or the built-in quick config with overrides)
         for flag in ("optimizer", "precision", "n_layer", "hidden", "n_head", "seq_len"):

@@ -16,8 +16,8 @@ def write_outputs(root: Path, report: Path | None = None, comm_csvs: tuple[Path,
     """results.csv, plots/ and report.html for the runs under `root`; prints where they are."""
     root = Path(root)
     rows = collect(root)
+    comm = [r for path in comm_csvs for r in read_csv(path)]  # before anything is written
     csv_path = write_csv(rows, root / "results.csv")
-    comm = [r for path in comm_csvs for r in read_csv(path)]
     if importlib.util.find_spec("matplotlib") is None:
         print(f"results: {csv_path}\nplots and report skipped: they need matplotlib "
               "(pip install 'dtlab[plot]')")

@@ -31,10 +31,22 @@ COLUMNS = [
 METRIC = re.compile(r"\[METRIC\]\s+(.*)")
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    """A run's JSON record; a damaged one is named with the fix, not a traceback."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_bytes().decode())
+    except (ValueError, OSError):
+        data = None
+    if not isinstance(data, dict):
+        raise DtlabError(f"'{path}' is not a dtlab JSON record (damaged?); fix: re-run that run, "
+                         f"or move its directory '{path.parent}' out of the way")
+    return data
+
+
 def row_from_run(run_dir: Path, root: Path) -> dict[str, Any]:
-    summary_path, record_path = run_dir / "summary.json", run_dir / "run.json"
-    s = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    rec = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    s, rec = read_json(run_dir / "summary.json"), read_json(run_dir / "run.json")
     mem = s.get("memory_per_rank", {})
     state = [sum(v) for v in zip(*(mem.get(k, []) for k in ("param_bytes", "grad_bytes", "optim_bytes")),
                                  strict=True)]
@@ -68,7 +80,14 @@ def add_verification(rows: list[dict[str, Any]], root: Path) -> None:
     path = root / "compare.json"
     if not path.is_file():
         return
-    checked = {r["strategy"]: r for r in json.loads(path.read_text()) if "loss_dev" in r}
+    try:
+        table = json.loads(path.read_bytes().decode())
+        if not isinstance(table, list):
+            raise TypeError
+        checked = {r["strategy"]: r for r in table if "loss_dev" in r}
+    except (ValueError, TypeError, KeyError):
+        raise DtlabError(f"'{path}' is not what dtlab compare writes (damaged?); fix: run the "
+                         "comparison again, or move the file out of the way") from None
     for row in rows:
         match = checked.get(str(row.get("series")))
         if match:
@@ -107,14 +126,19 @@ def collect(*roots: Path) -> list[dict[str, Any]]:
                              "a compare or a set of logs")
         run_dirs = sorted({p.parent for name in ("summary.json", "run.json")
                            for p in root.rglob(name)})
-        rows += [row_from_run(d, root) for d in run_dirs]
-        add_verification(rows, root)
+        found = [row_from_run(d, root) for d in run_dirs]
+        add_verification(found, root)
         for path in sorted(root.rglob("*")):
             if path.suffix in (".log", ".out", ".txt") and path.is_file() and not any(
                     d == path.parent or d in path.parents for d in run_dirs):
                 row = row_from_log(path, root)
                 if row:
-                    rows.append(row)
+                    found.append(row)
+        if not found:
+            raise DtlabError(f"'{root}' holds no dtlab runs (summary.json, run.json) and no logs "
+                             "with [METRIC] lines; fix: pass the directory of a sweep, a compare "
+                             "or a set of logs")
+        rows += found
     return sorted(rows, key=lambda r: (str(r.get("series")), r.get("world_size") or 0))
 
 
@@ -129,8 +153,17 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
 
 
 def read_csv(path: Path) -> list[dict[str, Any]]:
+    """The rows of a CSV file; one that is missing, binary or has no rows is a DtlabError."""
     if not Path(path).is_file():
         raise DtlabError(f"'{path}' not found; fix: write it with `dtlab collect DIR -o {path}`")
-    with open(path, newline="") as f:
-        return [{k: parse_number(v) if v != "" else None for k, v in r.items()}
-                for r in csv.DictReader(f)]
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise DtlabError(f"'{path}' is not a CSV file ({e.__class__.__name__}); fix: pass a CSV "
+                         "written by `dtlab collect` or `dtlab comm --csv`") from None
+    if not rows:
+        raise DtlabError(f"'{path}' holds no rows; fix: pass a CSV with results, written by "
+                         "`dtlab collect` or `dtlab comm --csv`")
+    return [{k: parse_number(v) if v not in ("", None) else None for k, v in r.items()
+             if k is not None} for r in rows]

@@ -101,6 +101,22 @@ class Figures:
                            "series": series, "files": files})
 
 
+def check_plottable(rows: list[dict[str, Any]], path: Path,
+                    comm_rows: list[dict[str, Any]] | None = None) -> None:
+    """Refuse, before anything is written, results with nothing to draw."""
+    if not any("world_size" in r for r in rows):
+        raise DtlabError(f"'{path}' has no world_size column; fix: pass a CSV written by "
+                         "`dtlab collect`")
+    numeric = ("samples_per_s", "epoch_time_s", "val_loss", "val_acc", "peak_memory_bytes",
+               "state_bytes", "comm_share")
+    if comm_rows and not points(comm_rows, "size_bytes", "busbw_gbps", str):
+        raise DtlabError("the collective results have no size_bytes/busbw_gbps columns; fix: pass "
+                         "a CSV written by `dtlab comm --csv`")
+    if not comm_rows and not any(series_points(rows, c) for c in numeric):
+        raise DtlabError(f"'{path}' has no finished run with numbers to plot (status done, "
+                         "world_size and samples_per_s...); fix: collect finished runs first")
+
+
 def plot_results(rows: list[dict[str, Any]], out_dir: Path,
                  comm_rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     if rows and not any("world_size" in r for r in rows):

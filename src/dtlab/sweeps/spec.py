@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, V
 
 from dtlab.config import (
     Config,
+    check_value,
     check_world,
     format_validation_error,
     load_config,
@@ -42,7 +43,7 @@ LAYOUT_KEYS = ("nproc_per_node", "nnodes", "batch_per_rank", "slurm_mode")
 
 
 class SlurmOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     partition: str | None = None
     account: str | None = None
     gpus_per_node: int = Field(0, ge=0)
@@ -55,7 +56,7 @@ class SlurmOptions(BaseModel):
 
 
 class SweepSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     base: str | None = None
     overrides: dict[str, Any] = Field(default_factory=dict)
     matrix: dict[str, list[Any]] = Field(default_factory=dict)
@@ -82,14 +83,16 @@ class PlannedRun:
 
 
 def _fmt(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return json.dumps(value) if value is None or isinstance(value, (list, dict)) else str(value)
 
 
 def load_spec(path: str | Path) -> SweepSpec:
+    data = read_yaml(path, "sweep spec", "pass an existing sweep spec YAML (docs/sweeps.md)",
+                     "write base, overrides and matrix into it (docs/sweeps.md)")
     try:
-        spec = SweepSpec.model_validate(read_yaml(path))
+        spec = SweepSpec.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(f"sweep spec {path}: {format_validation_error(e)}") from None
+        raise ConfigError(f"sweep spec {path}: {format_validation_error(e, False)}") from None
     keys = set(valid_keys())
     for key, values in spec.matrix.items():
         if key not in LAYOUT_KEYS and key not in keys:
@@ -98,15 +101,54 @@ def load_spec(path: str | Path) -> SweepSpec:
                 f"(dtlab config --keys) or one of {', '.join(LAYOUT_KEYS)}"
             )
         if not values:
-            raise ConfigError(f"sweep spec {path}: matrix key '{key}' has no values")
+            raise ConfigError(f"sweep spec {path}: matrix key '{key}' has no values; fix: list "
+                              f"at least one, e.g. {key}: [value], or remove the key")
+        for value in values:
+            problem = check_layout(key, value) if key in LAYOUT_KEYS else check_value(key, value)
+            if problem:
+                raise ConfigError(f"sweep spec {path}: matrix value {key}={_fmt(value)}: {problem}; "
+                                  f"fix: correct or remove that value under matrix: {key}")
+    check_exclude(path, spec)
+    if "run.dir" in spec.overrides or "run.dir" in spec.matrix:
+        raise ConfigError(f"sweep spec {path}: run.dir is chosen by the sweep (OUT/runs/<hash>); "
+                          "fix: remove it from the spec, and give --out DIR")
     if spec.base is not None and not Path(spec.base).is_file():
         # A base relative to the spec file is the natural reading; relative to cwd works too.
         near = Path(path).parent / spec.base
         if near.is_file():
             spec.base = str(near)
+    if spec.base is not None:
+        read_yaml(spec.base, f"sweep spec {path}: base config file",
+                  "set base: to an existing config (relative to the spec or the working directory)",
+                  "write its settings into it, or remove base: to use the built-in defaults")
     # Mistakes shared by every run (bad base file, bad override) stop the sweep at once.
-    load_config(spec.base, [f"{k}={_fmt(v)}" for k, v in spec.overrides.items()])
+    try:
+        load_config(spec.base, [f"{k}={_fmt(v)}" for k, v in spec.overrides.items()])
+    except ConfigError as e:
+        raise ConfigError(f"sweep spec {path}: {e}") from None
     return spec
+
+
+def check_layout(key: str, value: Any) -> str | None:
+    """Why a value of a launcher key (nproc_per_node, nnodes, ...) is wrong, or None."""
+    if key == "slurm_mode":
+        return None if value in ("srun", "torchrun") else "must be srun or torchrun"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return "must be a whole number of at least 1"
+    return None
+
+
+def check_exclude(path: str | Path, spec: SweepSpec) -> None:
+    """An exclude entry that can match no combination is a typo: say which part."""
+    for entry in spec.exclude:
+        for key, value in entry.items():
+            if key not in spec.matrix:
+                raise ConfigError(f"sweep spec {path}: exclude entry {_fmt(entry)}: '{key}' is "
+                                  f"not a matrix key; fix: use one of {', '.join(spec.matrix)}")
+            if value not in spec.matrix[key]:
+                raise ConfigError(f"sweep spec {path}: exclude entry {_fmt(entry)}: {key}="
+                                  f"{_fmt(value)} is not in the matrix; fix: use one of "
+                                  f"{', '.join(map(_fmt, spec.matrix[key]))}")
 
 
 def config_key(cfg: Config, nproc_per_node: int, nnodes: int, slurm_mode: str) -> str:
@@ -143,7 +185,8 @@ def expand(spec: SweepSpec, out_dir: Path, launcher: str) -> list[PlannedRun]:
                     int(layout["batch_per_rank"]) * run.world_size * cfg.train.grad_accum_steps
                 )
             if launcher == "local" and run.nnodes > 1:
-                raise ConfigError("nnodes > 1 needs the slurm launcher")
+                raise ConfigError("nnodes > 1 needs the slurm launcher; fix: add --launcher slurm, "
+                                  "or keep nnodes at 1")
             if run.slurm_mode not in ("srun", "torchrun"):
                 raise ConfigError(f"slurm_mode must be srun or torchrun, not {run.slurm_mode}")
             check_world(cfg, run.world_size, run.nproc_per_node)
