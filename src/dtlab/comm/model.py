@@ -115,9 +115,9 @@ def refusal(n: int, sizes: list[float], a: float, b: float, r2: float,
                 f"is unknown; fix: measure larger messages ({larger})")
     share = b * max(sizes) / (a + b * max(sizes))
     if share < MIN_BANDWIDTH_SHARE:
-        return (f"at the largest size ({size_text(max(sizes))} bytes) the bytes take {100 * share:.0f}% "
-                f"of the time, latency the rest, so the bandwidth is not measured; fix: measure "
-                f"larger messages ({larger})")
+        return (f"at the largest size ({size_text(max(sizes))} bytes) the bytes take "
+                f"{100 * share:.0f}% of the time, latency the rest, so the bandwidth is not "
+                f"measured; fix: measure larger messages ({larger})")
     if r2 < MIN_R2:
         explains = f"R^2 = {r2:.3f}" if r2 >= 0 else "none (R^2 below 0)"
         return (f"the line explains {explains} of the times' variance (need {MIN_R2}): "
@@ -144,7 +144,7 @@ def fit_op(op: str, pts: list[dict[str, Any]]) -> dict[str, Any]:
     total = sum((ti - mean) ** 2 for ti in t)
     r2 = 1 - sum((ti - fi) ** 2 for ti, fi in zip(t, fitted, strict=True)) / total if total else 0.0
     rel = [abs(ti - fi) / ti for ti, fi in zip(t, fitted, strict=True)]
-    worst = max(zip(rel, s), default=(0.0, 0.0))
+    worst = max(zip(rel, s, strict=True), default=(0.0, 0.0))
     k_alpha, k_beta = ring_terms(op, n)
     return {"world_size": n, "points": len(valid), "sizes": len(sizes), "dropped_points": dropped,
             "min_bytes": min(s, default=0.0), "max_bytes": max(s, default=0.0),
