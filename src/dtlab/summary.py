@@ -136,5 +136,5 @@ def comm_breakdown(cfg: Config, ctx: DistContext, tr: Training, batches: list[An
     result = measure(tr.stepper, compute_only, batches, ctx.synchronize, ctx.gather_floats,
                      ctx.world_size, analytic, trace)
     flat = {k: result[k] for k in ("comm_share", "exposed_comm_s", "compute_time_s", "comm_time_s",
-                                   "overlapped_comm_s")}
+                                   "overlapped_comm_s", "other_overhead_s")}
     return {**flat, "comm_breakdown": result}
