@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.config import load_config
+from dtlab.machine_load import warning
 from dtlab.strategies import registry
 from dtlab.strategies.registry import parse as parse_spec
 from dtlab.strategies.registry import ranks as spec_ranks
@@ -114,6 +115,8 @@ def compare(args: argparse.Namespace) -> int:
             continue
         results[spec] = read_run(out / label)
         rows.append(row_for(spec, results[spec][0]))
+        if warning(spec, results[spec][0]):
+            print(warning(spec, results[spec][0]), file=sys.stderr, flush=True)
 
     bad = []
     if args.verify and ref in results:

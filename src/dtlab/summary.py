@@ -16,6 +16,7 @@ from dtlab import __version__
 from dtlab.comm.breakdown import measure
 from dtlab.config import Config
 from dtlab.distributed import DistContext
+from dtlab.machine_load import timing_record
 from dtlab.metrics import peak_memory, time_stats
 from dtlab.models import build_model, loss_fn
 from dtlab.optim import build_optimizer
@@ -84,6 +85,7 @@ def summarize(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> dic
     summary["steps_per_epoch"] = run.steps_per_epoch
     summary["epoch_time_s"], summary["epoch_time_measured"] = run.epoch_time(stats.get("median"))
     summary["skipped_steps"] = tr.stepper.skipped
+    summary["timing"] = timing_record(run.load, ctx.threads, ctx.gather_floats, stats, len(timed))
     if run.usage is not None:
         summary["sample_usage"] = run.usage.summary(tr.strategy)
     if run.resumed_from is not None:

@@ -63,6 +63,10 @@ def fit_and_predict(path: Path, queries: list[str]) -> int:
         raise DtlabError(f"'{path}' has no collective timings; fix: measure with dtlab comm "
                          f"--json {path}")
     print(format_fit(model))
+    timing = next((r for r in rows if isinstance(r, dict) and r.get("op") == "timing"), {})
+    if timing.get("unreliable"):
+        print(f"# WARN: measured with unreliable timings ({'; '.join(timing['unreliable'])}): "
+              "the fit describes that machine state")
     for q in queries:
         try:
             op, size, ranks = q.split(":")

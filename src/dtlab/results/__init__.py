@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from dtlab.results.collect import collect, read_csv, write_csv
@@ -16,6 +17,10 @@ def write_outputs(root: Path, report: Path | None = None, comm_csvs: tuple[Path,
     """results.csv, plots/ and report.html for the runs under `root`; prints where they are."""
     root = Path(root)
     rows = collect(root)
+    for r in rows:  # the report's findings say it too, and do not compare their throughput
+        if r.get("unreliable"):
+            print(f"WARN: {r['series']} at {r['world_size']} rank(s) ({r['source']}): timings "
+                  f"unreliable ({r['unreliable']})", file=sys.stderr)
     csv_path = write_csv(rows, root / "results.csv")
     comm = [r for path in comm_csvs for r in read_csv(path)]
     if importlib.util.find_spec("matplotlib") is None:
