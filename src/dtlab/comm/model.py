@@ -19,7 +19,8 @@ reduce_scatter by recursive doubling/halving, t = log2(n) alpha + (n-1)/n S beta
 A straight line t = a + b S is fitted to each collective's measured times with a >= 0 and b >= 0
 (a latency or a time per byte below zero has no meaning), minimising the squared *relative*
 residuals: sizes span several decades, and plain least squares would let the largest sizes decide
-alone, leaving the latency to chance. a and b are then divided by the formula's step counts to
+alone, leaving the latency to chance. Its quality: R^2 of log t (the same relative scale) and
+the relative residuals. a and b are then divided by the formula's step counts to
 give alpha and beta. A fit that cannot be trusted (too few sizes, time not growing with size,
 noise) is kept with the reason and what to measure instead; `predict` refuses to use it.
 """
@@ -32,7 +33,7 @@ from typing import Any
 from dtlab.errors import DtlabError
 
 MIN_SIZES = 3  # two sizes fit any line exactly: a third is the first check of the model
-MIN_R2 = 0.9  # the line must explain 90% of the variance of the times
+MIN_R2 = 0.9  # the line must explain 90% of the variance of the (log) times
 # A measured time more than 50% off the line: the model does not describe that size (noise, or
 # a protocol change between sizes), and predictions near it would be off as much.
 MAX_REL_RESIDUAL = 0.5
@@ -120,7 +121,7 @@ def refusal(n: int, sizes: list[float], a: float, b: float, r2: float,
                 f"measured; fix: measure larger messages ({larger})")
     if r2 < MIN_R2:
         explains = f"R^2 = {r2:.3f}" if r2 >= 0 else "none (R^2 below 0)"
-        return (f"the line explains {explains} of the times' variance (need {MIN_R2}): "
+        return (f"the line explains {explains} of the variance of the log times (need {MIN_R2}): "
                 f"latency noise dominates; fix: measure larger messages ({larger}) and more "
                 "iterations (--iters 50) on an otherwise idle machine")
     size, rel = worst
@@ -129,6 +130,19 @@ def refusal(n: int, sizes: list[float], a: float, b: float, r2: float,
                 f"{100 * MAX_REL_RESIDUAL:.0f}%): noisy or not linear; fix: more iterations "
                 "(--iters 50) on an otherwise idle machine, and more sizes (--factor 2)")
     return None
+
+
+def log_r2(t: list[float], fitted: list[float]) -> float:
+    """R^2 of the logarithms: the share of the variance of log t the line explains. Measured in
+    the space the fit minimises (relative error), where 300 us and 30 ms weigh alike; 0 when
+    the times do not vary or the line is not positive."""
+    if not t or min(fitted) <= 0:
+        return 0.0
+    logs = [math.log(ti) for ti in t]
+    mean = sum(logs) / len(logs)
+    total = sum((x - mean) ** 2 for x in logs)
+    resid = sum((x - math.log(fi)) ** 2 for x, fi in zip(logs, fitted, strict=True))
+    return 1 - resid / total if total > 1e-12 else 0.0
 
 
 def fit_op(op: str, pts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -140,9 +154,7 @@ def fit_op(op: str, pts: list[dict[str, Any]]) -> dict[str, Any]:
     sizes = sorted(set(s))
     a, b = line_fit(s, t) if len(sizes) >= 2 else (sum(t) / len(t) if t else 0.0, 0.0)
     fitted = [a + b * si for si in s]
-    mean = sum(t) / len(t) if t else 0.0
-    total = sum((ti - mean) ** 2 for ti in t)
-    r2 = 1 - sum((ti - fi) ** 2 for ti, fi in zip(t, fitted, strict=True)) / total if total else 0.0
+    r2 = log_r2(t, fitted)
     rel = [abs(ti - fi) / ti for ti, fi in zip(t, fitted, strict=True)]
     worst = max(zip(rel, s, strict=True), default=(0.0, 0.0))
     k_alpha, k_beta = ring_terms(op, n)
@@ -192,7 +204,7 @@ def _bandwidth(seconds_per_byte: float) -> str:
 def format_fit(model: dict[str, dict[str, Any]]) -> str:
     """The table of trusted fits, then one line per refused fit saying what to measure."""
     lines = ["# alpha-beta fit: t = a + b S per collective (a, b >= 0, least squares on relative "
-             "error); alpha, beta of the ring model",
+             "error; R^2 of log t; max rel: the largest |t - fit| / t); alpha, beta of the ring model",
              f"# {'op':<15}{'ranks':>6}{'sizes':>6}{'a (us)':>10}{'1/b (GB/s)':>12}{'R^2':>8}"
              f"{'max rel':>9}{'alpha (us)':>12}{'1/beta (GB/s)':>15}"]
     for op, m in model.items():
