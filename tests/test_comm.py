@@ -220,3 +220,22 @@ def test_the_constrained_fit_is_the_best_non_negative_line() -> None:
     s, t = [1e3, 1e5, 1e7], [1e-6, 5e-5, 5e-3]  # latency below zero by plain least squares
     a, b = line_fit(s, t)
     assert a >= 0 and b > 0
+
+
+def test_the_readme_fits_the_file_it_measured() -> None:
+    """Every `dtlab comm --fit FILE` of the README reads what an earlier command wrote with --json."""
+    from conftest import ROOT
+
+    written: set[str] = set()
+    fitted = []
+    for line in (ROOT / "README.md").read_text().splitlines():
+        words = line.split("#")[0].split()
+        if words[:2] != ["dtlab", "comm"]:
+            continue
+        for flag, value in zip(words, words[1:], strict=False):
+            if flag == "--json":
+                written.add(value)
+            if flag == "--fit":
+                fitted.append(value)
+                assert value in written, f"README fits {value}, which no earlier command writes"
+    assert fitted
