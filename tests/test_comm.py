@@ -45,6 +45,11 @@ def test_every_collective_is_exact(ranks: int, tmp_path: Path) -> None:
             assert (matrix["latency_us"][i][j] > 0) == (i != j)
     header = (tmp_path / "c.csv").read_text().splitlines()[0].split(",")
     assert {"op", "size_bytes", "busbw_gbps", "oop_wrong", "ip_time_us"} <= set(header)
+    # The machine's load while measuring, and a WARN when it makes the times unreliable.
+    timing = next(r for r in rows if r["op"] == "timing")
+    assert timing["ranks_on_node"] == ranks and timing["busy_threads"] == ranks * timing["threads_per_rank"]
+    assert timing["oversubscribed"] == (timing["busy_threads"] > timing["cores"])
+    assert ("# WARN: timings unreliable (" in proc.stdout) == bool(timing["unreliable"])
 
 
 def test_a_corrupted_result_is_counted(tmp_path: Path) -> None:

@@ -154,6 +154,37 @@ def test_findings_draw_no_conclusion_from_unreliable_timings(shaky_runs: Path) -
     assert not [s for s in text[2:] if "efficiency" in s or "the fastest is" in s or "throughput" in s]
 
 
+def test_compare_warns_about_an_unreliable_run() -> None:
+    from dtlab.machine_load import warning
+
+    assert warning("ddp", {"timing": {"unreliable": [OVERSUBSCRIBED, LOADED]}}) == (
+        f"WARN: ddp: timings unreliable ({OVERSUBSCRIBED}; {LOADED}); rerun on an idle machine "
+        "with ranks x threads <= cores")
+    assert warning("ddp", {"timing": {"unreliable": []}}) is None and warning("ddp", {}) is None
+
+
+def test_unreliable_reasons() -> None:
+    """judge(): oversubscription, load from others beyond the free cores, step-time spread."""
+    from dtlab.machine_load import judge
+
+    def record(cores: int, ranks: int, threads: int, others: float | None,
+               load: float = 0.0) -> dict:
+        node = {"cores": cores, "ranks_on_node": ranks, "busy_threads": ranks * threads,
+                "others_cores": others}
+        return {**node, "threads_per_rank": threads, "loadavg_before": [load] * 3, "nodes": [node]}
+
+    assert judge(record(2, 2, 1, 0.3), 0.08, 40) == []
+    assert judge(record(2, 1, 1, 1.4), 0.08, 40) == []  # the other core was free for them
+    assert judge(record(2, 1, 1, 1.6), 0.08, 40) == [
+        "machine loaded: other processes kept 1.6 of 2 core(s) busy"]
+    assert judge(record(2, 4, 1, 0.0), 0.1, 40) == [OVERSUBSCRIBED]
+    assert judge(record(2, 2, 1, 0.0), 0.6, 40) == [
+        "step times spread by 60% of the median (p10 to p90, limit 50%)"]
+    assert judge(record(2, 2, 1, 0.0), 0.6, 4) == []  # too few steps to judge a spread
+    assert judge(record(2, 2, 1, None, load=3.2), None, 0) == [
+        "machine loaded: load average 3.2 above 2 core(s)"]  # no /proc/stat: the load average
+
+
 def test_report_warns_once_per_unreliable_run(shaky_runs: Path, tmp_path: Path) -> None:
     proc = dtlab("report", str(shaky_runs), "-o", str(tmp_path / "r.html"))
     assert proc.returncode == 0, proc.stderr
