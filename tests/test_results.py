@@ -193,6 +193,7 @@ def test_report_warns_once_per_unreliable_run(shaky_runs: Path, tmp_path: Path) 
         f"WARN: single at 1 rank(s) (single1): timings unreliable ({LOADED})"]
     html = (tmp_path / "r.html").read_text()
     assert "<li>WARN: single at 1 rank: timings unreliable" in html and "scaling efficiency" not in html
+    assert f"<td class=\"text\">{LOADED}</td>" in html  # the run's row in the table says it too
     assert "unreliable" in (shaky_runs / "results.csv").read_text().splitlines()[0]
 
 
