@@ -195,6 +195,7 @@ def test_degenerate_sweeps_are_refused_with_what_to_measure(tmp_path: Path, caps
     assert "measured on 1 rank" in reasons["one rank"]
     assert "fix: measure larger messages" in reasons["latency only"]
     assert fit(degenerate_sweeps()["not measurements"])["reduce"]["points"] == 0
+    assert reasons["not measurements"].startswith("no valid time")
 
 
 def test_a_prediction_from_a_refused_fit_is_one_line(tmp_path: Path) -> None:

@@ -103,6 +103,9 @@ def size_text(nbytes: float) -> str:
 def refusal(n: int, sizes: list[float], a: float, b: float, r2: float,
             worst: tuple[float, float]) -> str | None:
     """Why predictions from this fit would mislead, and what to measure instead; None if fine."""
+    if not sizes:
+        return ("no valid time (each is zero, negative or not a number); fix: measure again "
+                "with dtlab comm --json")
     span = f"from {size_text(min(sizes))} to {size_text(max(sizes))} bytes"
     larger = f"--max-bytes {size_text(max(64 << 20, 16 * max(sizes)))}"
     if n < 2:
@@ -165,7 +168,7 @@ def fit_op(op: str, pts: list[dict[str, Any]]) -> dict[str, Any]:
             "max_rel_residual": worst[0],
             "alpha_s": a / k_alpha if k_alpha else a,
             "beta_s_per_byte": b / k_beta if k_beta else b,
-            "refused": refusal(n, sizes or [0.0], a, b, r2, (worst[1], worst[0]))}
+            "refused": refusal(n, sizes, a, b, r2, (worst[1], worst[0]))}
 
 
 def fit(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
