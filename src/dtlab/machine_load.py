@@ -33,8 +33,8 @@ from typing import Any
 # editor or a monitor costs a few percent of a core; a competing job costs whole cores.
 OTHERS_MARGIN_CORES = 0.5
 # (p90 - p10) / median of the step time. Steps of a fixed workload on a quiet machine vary by
-# some 10-20% (data, allocator, timer, the occasional interrupt); a rank that loses its core to
-# another process for part of its steps makes them 1.5-2x slower, and the spread jumps above 0.5.
+# 5-8% (quick CNN, 40 steps, measured here); a rank that loses its core to another process for
+# part of its steps makes those several times slower: 1.6-3.8 with one busy process here.
 MAX_STEP_TIME_SPREAD = 0.5
 MIN_STEPS_FOR_SPREAD = 5  # below this p10 and p90 are two of a handful of values: not judged
 _MASK_WORDS, _BITS = 20, 52  # CPU ids below 1040, exact in float64
