@@ -115,8 +115,9 @@ def compare(args: argparse.Namespace) -> int:
             continue
         results[spec] = read_run(out / label)
         rows.append(row_for(spec, results[spec][0]))
-        if warning(spec, results[spec][0]):
-            print(warning(spec, results[spec][0]), file=sys.stderr, flush=True)
+        unreliable = warning(spec, results[spec][0])  # load or oversubscription: say so
+        if unreliable:
+            print(unreliable, file=sys.stderr, flush=True)
 
     bad = []
     if args.verify and ref in results:
