@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import dtlab, train
 
 from dtlab.cli import main
 from dtlab.results import collect, plot_results, read_csv, write_csv, write_report
@@ -16,7 +17,8 @@ MiB = 1024 * 1024
 
 
 def fake_run(root: Path, name: str, strategy: str, world: int, sps: float, param: int,
-             val_acc: float = 0.5, options: dict | None = None) -> None:
+             val_acc: float = 0.5, options: dict | None = None,
+             unreliable: list[str] | None = None) -> None:
     run = root / name
     run.mkdir(parents=True)
     summary = {
@@ -26,6 +28,7 @@ def fake_run(root: Path, name: str, strategy: str, world: int, sps: float, param
         "backend": "gloo", "torch_version": "2.13.0", "hostname": "node1", "threads_per_rank": 1,
         "memory_per_rank": {"peak_rss_bytes": [400 * MiB] * world, "param_bytes": [param] * world,
                             "grad_bytes": [param] * world, "optim_bytes": [param] * world},
+        "timing": {"cores": 2, "unreliable": unreliable or []},
     }
     (run / "summary.json").write_text(json.dumps(summary))
 
@@ -118,3 +121,100 @@ def test_report_is_self_contained(runs: Path, tmp_path: Path) -> None:
     assert "fsdp holds 50% of ddp&#x27;s parameter bytes" in html
     assert "<th>torch</th><td class='text'>2.13.0</td>" in html
     assert html.count("<tr") == 10 + 1 + 5  # environment rows, header, runs
+
+
+OVERSUBSCRIBED = "oversubscribed: 4 rank(s) x 1 thread(s) on 2 core(s)"
+LOADED = "machine loaded: other processes kept 1.0 of 2 core(s) busy"
+
+
+@pytest.fixture()
+def shaky_runs(tmp_path: Path) -> Path:
+    """What the issue saw: single under load at 722 samples/s against ddp's 4,711, and 4 ranks on
+    2 cores at 3% scaling efficiency."""
+    root = tmp_path / "shaky"
+    fake_run(root, "single1", "single", 1, 722.0, 4 * MiB, unreliable=[LOADED])
+    fake_run(root, "ddp1", "ddp", 1, 4711.0, 4 * MiB)
+    fake_run(root, "ddp4", "ddp", 4, 565.0, 4 * MiB, unreliable=[OVERSUBSCRIBED])
+    fake_run(root, "fsdp4", "fsdp", 4, 2000.0, 1 * MiB)
+    return root
+
+
+def test_findings_draw_no_conclusion_from_unreliable_timings(shaky_runs: Path) -> None:
+    text = findings(collect(shaky_runs))
+    assert text[:2] == [
+        f"WARN: ddp at 4 ranks: timings unreliable ({OVERSUBSCRIBED}); its throughput is not compared.",
+        f"WARN: single at 1 rank: timings unreliable ({LOADED}); its throughput is not compared."]
+    assert ("fsdp holds 25% of ddp's parameter bytes per rank and 25% of ddp's training state per "
+            "rank at 4 ranks.") in text  # memory is exact under load; no throughput ratio
+    assert "ddp: scaling not computed: the timings at 4 ranks are unreliable." in text
+    assert ("At 1 rank no fastest is named (timings of single unreliable), the leanest ddp and "
+            "single (12.00 MiB of state per rank).") in text
+    assert any(s.startswith("At 4 ranks no fastest is named (timings of ddp unreliable), the "
+                            "leanest fsdp") for s in text)
+    assert not [s for s in text[2:] if "efficiency" in s or "the fastest is" in s or "throughput" in s]
+
+
+def test_compare_warns_about_an_unreliable_run() -> None:
+    from dtlab.machine_load import warning
+
+    assert warning("ddp", {"timing": {"unreliable": [OVERSUBSCRIBED, LOADED]}}) == (
+        f"WARN: ddp: timings unreliable ({OVERSUBSCRIBED}; {LOADED}); rerun on an idle machine "
+        "with ranks x threads <= cores")
+    assert warning("ddp", {"timing": {"unreliable": []}}) is None and warning("ddp", {}) is None
+
+
+def test_unreliable_reasons() -> None:
+    """judge(): oversubscription, load from others beyond the free cores, step-time spread."""
+    from dtlab.machine_load import judge
+
+    def record(cores: int, ranks: int, threads: int, others: float | None,
+               load: float = 0.0) -> dict:
+        node = {"cores": cores, "ranks_on_node": ranks, "busy_threads": ranks * threads,
+                "others_cores": others}
+        return {**node, "threads_per_rank": threads, "loadavg_before": [load] * 3, "nodes": [node]}
+
+    assert judge(record(2, 2, 1, 0.3), 0.08, 40) == []
+    assert judge(record(2, 1, 1, 1.4), 0.08, 40) == []  # the other core was free for them
+    assert judge(record(2, 1, 1, 1.6), 0.08, 40) == [
+        "machine loaded: other processes kept 1.6 of 2 core(s) busy"]
+    assert judge(record(2, 4, 1, 0.0), 0.1, 40) == [OVERSUBSCRIBED]
+    assert judge(record(2, 2, 1, 0.0), 0.6, 40) == [
+        "step times spread by 60% of the median (p10 to p90, limit 50%)"]
+    assert judge(record(2, 2, 1, 0.0), 0.6, 4) == []  # too few steps to judge a spread
+    assert judge(record(2, 2, 1, None, load=3.2), None, 0) == [
+        "machine loaded: load average 3.2 above 2 core(s)"]  # no /proc/stat: the load average
+
+
+def test_report_warns_once_per_unreliable_run(shaky_runs: Path, tmp_path: Path) -> None:
+    proc = dtlab("report", str(shaky_runs), "-o", str(tmp_path / "r.html"))
+    assert proc.returncode == 0, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if line.startswith("WARN: ")] == [
+        f"WARN: ddp at 4 rank(s) (ddp4): timings unreliable ({OVERSUBSCRIBED})",
+        f"WARN: single at 1 rank(s) (single1): timings unreliable ({LOADED})"]
+    html = (tmp_path / "r.html").read_text()
+    assert "<li>WARN: single at 1 rank: timings unreliable" in html and "scaling efficiency" not in html
+    assert f"<td class=\"text\">{LOADED}</td>" in html  # the run's row in the table says it too
+    assert "unreliable" in (shaky_runs / "results.csv").read_text().splitlines()[0]
+
+
+def test_four_ranks_on_fewer_cores_are_flagged(tmp_path: Path) -> None:
+    """A real run of 4 ranks with more threads than cores (4 ranks on 2 cores here; half the
+    cores per rank on larger machines): its summary says so, and the findings refuse its
+    scaling."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    threads = max(1, cores // 2)
+    s = train(tmp_path / "runs" / "ddp4", "strategy.name=ddp", "train.max_steps=3",
+              "train.global_batch_size=16", "data.val_limit=64", f"run.threads={threads}", nproc=4)
+    t = s["timing"]
+    assert (t["ranks_on_node"], t["threads_per_rank"], t["busy_threads"], t["cores"]) == (
+        4, threads, 4 * threads, cores)
+    assert t["oversubscribed"] and t["unreliable"][0] == (
+        f"oversubscribed: 4 rank(s) x {threads} thread(s) on {cores} core(s)")
+    assert len(t["loadavg_before"]) == len(t["loadavg_after"]) == 3
+    assert t["others_cores"] is not None and t["others_cores"] >= 0
+    fake_run(tmp_path / "runs", "ddp1", "ddp", 1, 1000.0, 4 * MiB)
+    text = findings(collect(tmp_path / "runs"))
+    assert "ddp: scaling not computed: the timings at 4 ranks are unreliable." in text
+    assert text[0].startswith("WARN: ddp at 4 ranks: timings unreliable (oversubscribed")

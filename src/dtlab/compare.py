@@ -20,6 +20,7 @@ from dtlab.cli_args import output_dir
 from dtlab.config import check_environment, check_world, load_config
 from dtlab.errors import ConfigError
 from dtlab.interrupt import INTERRUPT_CODES, Interrupted, forwarding, requested
+from dtlab.machine_load import warning
 from dtlab.strategies import registry
 from dtlab.strategies.registry import parse as parse_spec
 from dtlab.strategies.registry import ranks as spec_ranks
@@ -161,6 +162,9 @@ def compare(args: argparse.Namespace) -> int:
             continue
         results[spec] = read_run(out / label)
         rows.append(row_for(spec, results[spec][0]))
+        unreliable = warning(spec, results[spec][0])  # load or oversubscription: say so
+        if unreliable:
+            print(unreliable, file=sys.stderr, flush=True)
 
     bad = []
     if args.verify and ref in results:

@@ -84,6 +84,7 @@ class MetricsLog:
         self.tb = None
         self.lost_steps = 0  # steps completed after the checkpoint we resume from: they run again
         self.progress: TextIO | None = None
+        self.logged_loss: float | None = None  # what the progress bar shows
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -138,6 +139,8 @@ class MetricsLog:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self.tb.add_scalar(k, v, record.get("step", 0))
+        if "loss" in record:
+            self.logged_loss = record["loss"]
         if not quiet:
             self._print(metric_line(record))
 
@@ -148,15 +151,17 @@ class MetricsLog:
         except (OSError, ValueError, IndexError):
             return 0
 
-    def advance(self, step: int, loss: float | None = None) -> None:
+    def advance(self, step: int) -> None:
+        """Step `step` is done. The bar shows the loss of the last logged step (the number in
+        metrics.jsonl), none before the first."""
         if self.progress is not None:
             self.progress.seek(0)
             self.progress.write(f"{step:>12d}\n")
             self.progress.flush()
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
-            if loss is not None:
-                self.bar.set_postfix(loss=f"{loss:.4f}")
+            if self.logged_loss is not None:
+                self.bar.set_postfix(loss=f"{self.logged_loss:.4f}", refresh=False)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         if not self.enabled:

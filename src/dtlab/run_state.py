@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dtlab.data import DataSpec, SampleUsage
+from dtlab.machine_load import LoadProbe
 from dtlab.step import Stepper
 from dtlab.strategies.base import StepEngine, Strategy
 
@@ -51,6 +52,7 @@ class RunState:
     evals: dict[str, Any] = field(default_factory=dict)  # the latest evaluation
     usage: SampleUsage | None = None
     started: float = field(default_factory=time.perf_counter)
+    load: LoadProbe = field(default_factory=LoadProbe)  # the machine's state when it began
 
     def begin_step(self, epoch: int) -> int:
         self.step, self.epoch = self.step + 1, epoch

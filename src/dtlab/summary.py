@@ -16,6 +16,7 @@ from dtlab import __version__
 from dtlab.comm.breakdown import measure
 from dtlab.config import Config
 from dtlab.distributed import DistContext
+from dtlab.machine_load import timing_record
 from dtlab.metrics import peak_memory, time_stats
 from dtlab.models import build_model, loss_fn
 from dtlab.optim import build_optimizer
@@ -84,6 +85,7 @@ def summarize(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> dic
     summary["steps_per_epoch"] = run.steps_per_epoch
     summary["epoch_time_s"], summary["epoch_time_measured"] = run.epoch_time(stats.get("median"))
     summary["skipped_steps"] = tr.stepper.skipped
+    summary["timing"] = timing_record(run.load, ctx.threads, ctx.gather_floats, stats, len(timed))
     if run.usage is not None:
         summary["sample_usage"] = run.usage.summary(tr.strategy)
     if run.resumed_from is not None:
@@ -136,5 +138,5 @@ def comm_breakdown(cfg: Config, ctx: DistContext, tr: Training, batches: list[An
     result = measure(tr.stepper, compute_only, batches, ctx.synchronize, ctx.gather_floats,
                      ctx.world_size, analytic, trace)
     flat = {k: result[k] for k in ("comm_share", "exposed_comm_s", "compute_time_s", "comm_time_s",
-                                   "overlapped_comm_s")}
+                                   "overlapped_comm_s", "other_overhead_s")}
     return {**flat, "comm_breakdown": result}

@@ -221,8 +221,8 @@ def log_step(cfg: Config, tr: Training, run: RunState, step_loss: torch.Tensor, 
                   "samples_per_s": samples_per_s}
         if tr.spec.kind == "tokens":
             record["tokens_per_s"] = samples_per_s * tr.spec.seq_len
-        log.log(record, quiet=log.bar is not None)
-    log.advance(step, run.last_loss)
+        log.log(record)
+    log.advance(step)
 
 
 def run(config: str | None, overrides: list[str]) -> int:

@@ -34,6 +34,7 @@ from dtlab.comm.ops import (
 )
 from dtlab.distributed import DistContext, distributed, leave
 from dtlab.errors import DtlabError
+from dtlab.machine_load import LoadProbe, timing_record
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -143,6 +144,17 @@ def format_row(row: dict[str, Any]) -> str:
 
 
 def run_benchmark(args: argparse.Namespace, ctx: DistContext) -> list[dict[str, Any]]:
+    probe = LoadProbe()
+    rows = measure_all(args, ctx)
+    timing = timing_record(probe, ctx.threads, ctx.gather_floats, {}, 0)
+    rows.append({"op": "timing", **timing})  # the machine's load while measuring
+    if timing["unreliable"] and ctx.is_main:
+        print(f"# WARN: timings unreliable ({'; '.join(timing['unreliable'])}); rerun on an "
+              "idle machine with ranks x threads <= cores", flush=True)
+    return rows
+
+
+def measure_all(args: argparse.Namespace, ctx: DistContext) -> list[dict[str, Any]]:
     dtype = DTYPES[args.dtype]
     ops = list(OPS) if args.op == "all" else [args.op]
     rows: list[dict[str, Any]] = []

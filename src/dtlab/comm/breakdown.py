@@ -7,11 +7,12 @@ After training, three short phases on the next batches of the data stream:
    include waiting for the peer; NCCL: `nccl*` kernels on the GPU);
 3. compute-only steps of the same local work, timed: DDP under `no_sync()` (no all-reduce), FSDP
    as a plain replica of the model on this rank (no all-gather, no reduce-scatter).
-exposed communication = step - compute-only step; its share of the step; communication time =
-per step the smallest time any rank spent in collectives (the others also waited for it), median
-over steps; overlapped = communication time - exposed. Bytes: the measured payloads, the ring traffic they imply, and the
-analytic volume (DDP 2(n-1)/n G; FSDP FULL_SHARD (n-1)/n (2P + G); without resharding (n-1)/n
-(P + G)).
+communication time = per step the smallest time any rank spent in collectives (the others also
+waited for it), median over steps; exposed communication = the step's slowdown over the
+compute-only step, at most the communication time; overlapped = communication time - exposed;
+other overhead = the rest of the slowdown (see split_step). Call counts are per step, whole.
+Bytes: the measured payloads, the ring traffic they imply, and the analytic volume (DDP
+2(n-1)/n G; FSDP FULL_SHARD (n-1)/n (2P + G); without resharding (n-1)/n (P + G)).
 """
 
 from __future__ import annotations
@@ -133,24 +134,43 @@ def measure(step: Callable[[Any], Any], compute_only: Callable[[Any], Any], batc
     per_step = len(batches)
     payload = sum(c["payload_bytes"] for c in calls) / per_step
     traffic = sum(c["payload_bytes"] * ring_factor(c["op"], n) for c in calls) / per_step
-    exposed = max(0.0, step_s - compute_s)
+    split = split_step(step_s, compute_s, comm_s)
+
+    def calls_per_step(op: str | None) -> int:
+        """Collectives per step (the median step's count: steps may differ, a count is whole)."""
+        return statistics.median_low(
+            sum(1 for c in calls if a <= c["start"] < b and op in (None, c["op"]))
+            for a, b in windows) if windows else 0
+
     ops: dict[str, dict[str, Any]] = {}
     for c in calls:
-        entry = ops.setdefault(c["op"], {"calls": 0, "payload_bytes": 0, "seconds": 0.0,
-                                         "sizes": set()})
-        entry["calls"] += 1 / per_step
+        entry = ops.setdefault(c["op"], {"payload_bytes": 0, "seconds": 0.0, "sizes": set()})
         entry["payload_bytes"] += c["payload_bytes"] / per_step
         entry["seconds"] += c["seconds"] / per_step
         entry["sizes"].add(c["payload_bytes"])
     for op in sorted(ops):
+        ops[op]["calls"] = calls_per_step(op)
         ops[op]["sizes"] = sorted(ops[op]["sizes"])
         ops[op]["seconds_per_step"] = in_collectives(op)[0]
     return {
-        "steps": per_step, "step_time_s": step_s, "compute_time_s": compute_s,
-        "exposed_comm_s": exposed, "comm_share": exposed / step_s if step_s else 0.0,
-        "comm_time_s": comm_s, "comm_time_with_wait_s": comm_max_s,
-        "overlapped_comm_s": max(0.0, comm_s - exposed),
+        "steps": per_step, "step_time_s": step_s, "compute_time_s": compute_s, **split,
+        "comm_share": split["exposed_comm_s"] / step_s if step_s else 0.0,
+        "comm_time_with_wait_s": comm_max_s,
         "payload_bytes_per_step": payload, "traffic_bytes_per_step": traffic,
         "analytic_traffic_bytes_per_step": analytic,
-        "calls_per_step": len(calls) / per_step, "by_op": ops,
+        "calls_per_step": calls_per_step(None), "by_op": ops,
     }
+
+
+def split_step(step_s: float, compute_s: float, comm_s: float) -> dict[str, float]:
+    """Communication time split into exposed + overlapped (their sum is comm_time_s, exactly).
+
+    The step's slowdown over its compute-only twin is what communication cost the step; the part
+    of it that the profiler saw in collectives (at most the collectives' time) is exposed
+    communication. The rest of the slowdown is other overhead of the distributed step (gradient
+    bucket copies, hooks, cores shared with the backend's threads), not communication."""
+    slowdown = max(0.0, step_s - compute_s)
+    exposed = min(slowdown, comm_s)
+    overlapped = comm_s - exposed
+    return {"exposed_comm_s": exposed, "overlapped_comm_s": overlapped,
+            "comm_time_s": exposed + overlapped, "other_overhead_s": slowdown - exposed}

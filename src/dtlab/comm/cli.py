@@ -132,18 +132,23 @@ def run_comm(args: argparse.Namespace) -> int:
 
 def fit_and_predict(path: Path, queries: list[str]) -> int:
     from dtlab.comm.bench import parse_size
-    from dtlab.comm.model import fit, format_fit, predict
+    from dtlab.comm.model import PoorFitError, fit, format_fit, predict
 
     if not path.is_file():
         raise DtlabError(f"'{path}' not found; fix: measure first with dtlab comm --json {path}")
     try:
         rows = json.loads(path.read_text())
-    except ValueError:
+        model = fit(rows) if isinstance(rows, list) else {}
+    except (ValueError, TypeError, KeyError):
         raise DtlabError(f"'{path}' is not a dtlab comm --json file") from None
-    model = fit(rows)
     if not model:
-        raise DtlabError(f"'{path}' has no collective measured at two sizes or more")
+        raise DtlabError(f"'{path}' has no collective timings; fix: measure with dtlab comm "
+                         f"--json {path}")
     print(format_fit(model))
+    timing = next((r for r in rows if isinstance(r, dict) and r.get("op") == "timing"), {})
+    if timing.get("unreliable"):
+        print(f"# WARN: measured with unreliable timings ({'; '.join(timing['unreliable'])}): "
+              "the fit describes that machine state")
     for q in queries:
         try:
             op, size, ranks = q.split(":")
@@ -151,6 +156,8 @@ def fit_and_predict(path: Path, queries: list[str]) -> int:
             t = predict(model, op, s, n)
         except (ValueError, KeyError, argparse.ArgumentTypeError) as e:
             raise DtlabError(f"--predict '{q}': {e}; fix: write OP:SIZE:RANKS, e.g. all_reduce:64M:8") from None
+        except PoorFitError as e:
+            raise PoorFitError(f"--predict '{q}': {e}") from None
         print(f"  {op} of {s} B on {n} ranks: ring {t['ring_s'] * 1e3:.3f} ms, "
               f"tree {t['tree_s'] * 1e3:.3f} ms")
     return 0

@@ -16,8 +16,13 @@ and for trees (latency-bound small messages): all_reduce as reduce + broadcast o
 t = 2 log2(n) (alpha + S beta); broadcast/reduce t = log2(n) (alpha + S beta); all_gather and
 reduce_scatter by recursive doubling/halving, t = log2(n) alpha + (n-1)/n S beta.
 
-A straight line t = a + b S is fitted to each collective's measured times (least squares, R^2
-reported); a and b are then divided by the formula's step counts to give alpha and beta.
+A straight line t = a + b S is fitted to each collective's measured times with a >= 0 and b >= 0
+(a latency or a time per byte below zero has no meaning), minimising the squared *relative*
+residuals: sizes span several decades, and plain least squares would let the largest sizes decide
+alone, leaving the latency to chance. Its quality: R^2 of log t (the same relative scale) and
+the relative residuals. a and b are then divided by the formula's step counts to
+give alpha and beta. A fit that cannot be trusted (too few sizes, time not growing with size,
+noise) is kept with the reason and what to measure instead; `predict` refuses to use it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,23 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
+from dtlab.errors import DtlabError
+
+MIN_SIZES = 3  # two sizes fit any line exactly: a third is the first check of the model
+MIN_R2 = 0.9  # the line must explain 90% of the variance of the (log) times
+# The line more than 2x off a measured time (either way): the model does not describe that size
+# (noise, or a change of protocol), and predictions near it would be off as much. The real
+# curve bends (gloo on loopback: 30-45% off a straight line at 1-4 MiB on 2 ranks on one core,
+# measured repeatedly), which a cost model of two numbers may be.
+MAX_FACTOR_OFF = 2.0
+# The slope is measured only where bytes take a visible part of the time: at the largest size
+# b S must be at least half of the time (else b is a small difference of latencies, and a
+# prediction for large messages extrapolates noise).
+MIN_BANDWIDTH_SHARE = 0.5
+
+
+class PoorFitError(DtlabError):
+    """A prediction asked of a fit that cannot be trusted."""
 
 
 def ring_terms(op: str, n: int) -> tuple[float, float]:
@@ -50,35 +71,131 @@ def tree_terms(op: str, n: int) -> tuple[float, float]:
     return ring_terms(op, n)  # all_to_all, send_recv: no tree form
 
 
-def fit(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per collective: a, b of t = a + b S, R^2, and the ring-model alpha and beta."""
-    out = {}
+def line_fit(s: list[float], t: list[float]) -> tuple[float, float]:
+    """(a, b) >= 0 minimising sum(((t - a - b s) / t)^2): non-negative weighted least squares.
+
+    With two parameters the constrained minimum is either the unconstrained one (when both are
+    >= 0) or lies on a boundary (a = 0 or b = 0, each a one-parameter fit): try them all."""
+    w = [1 / ti**2 for ti in t]
+    sw, sws = sum(w), sum(wi * si for wi, si in zip(w, s, strict=True))
+    sws2 = sum(wi * si * si for wi, si in zip(w, s, strict=True))
+    swt = sum(wi * ti for wi, ti in zip(w, t, strict=True))
+    swst = sum(wi * si * ti for wi, si, ti in zip(w, s, t, strict=True))
+
+    def cost(a: float, b: float) -> float:
+        return sum(wi * (ti - a - b * si) ** 2 for wi, si, ti in zip(w, s, t, strict=True))
+
+    candidates = [(swt / sw, 0.0), (0.0, swst / sws2 if sws2 else 0.0)]
+    det = sw * sws2 - sws * sws
+    if det > 0:
+        a, b = (swt * sws2 - sws * swst) / det, (sw * swst - sws * swt) / det
+        if a >= 0 and b >= 0:
+            candidates.append((a, b))
+    return min(candidates, key=lambda ab: cost(*ab))
+
+
+def size_text(nbytes: float) -> str:
+    """8, 64K, 32M, 1G: the notation --min-bytes and --max-bytes take."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.4g}{unit}"
+    return f"{nbytes:.0f}"
+
+
+def refusal(n: int, sizes: list[float], a: float, b: float, r2: float,
+            worst: tuple[float, float]) -> str | None:
+    """Why predictions from this fit would mislead, and what to measure instead; None if fine."""
+    if not sizes:
+        return ("no valid time (each is zero, negative or not a number); fix: measure again "
+                "with dtlab comm --json")
+    span = f"from {size_text(min(sizes))} to {size_text(max(sizes))} bytes"
+    larger = f"--max-bytes {size_text(max(64 << 20, 16 * max(sizes)))}"
+    if n < 2:
+        return "measured on 1 rank, where no message crosses a link; fix: measure on 2 or more ranks"
+    if len(sizes) < MIN_SIZES:
+        return (f"only {len(sizes)} message size(s) measured ({span}), a line needs "
+                f"{MIN_SIZES} to be checked; fix: measure more sizes (e.g. --min-bytes 1K "
+                "--max-bytes 64M --factor 4)")
+    if b <= 0:
+        return (f"the time does not grow with the message size {span}, so the bandwidth "
+                f"is unknown; fix: measure larger messages ({larger})")
+    share = b * max(sizes) / (a + b * max(sizes))
+    if share < MIN_BANDWIDTH_SHARE:
+        return (f"at the largest size ({size_text(max(sizes))} bytes) the bytes take "
+                f"{100 * share:.0f}% of the time, latency the rest, so the bandwidth is not "
+                f"measured; fix: measure larger messages ({larger})")
+    if r2 < MIN_R2:
+        explains = f"R^2 = {r2:.3f}" if r2 >= 0 else "none (R^2 below 0)"
+        return (f"the line explains {explains} of the variance of the log times (need {MIN_R2}): "
+                f"latency noise dominates; fix: measure larger messages ({larger}) and more "
+                "iterations (--iters 50) on an otherwise idle machine")
+    size, factor = worst
+    if factor > MAX_FACTOR_OFF:
+        return (f"the line is {factor:.1f}x off the time measured at {size_text(size)} bytes "
+                f"(limit {MAX_FACTOR_OFF:g}x): noisy or not linear; fix: more iterations "
+                "(--iters 50) on an otherwise idle machine, and more sizes (--factor 2)")
+    return None
+
+
+def log_r2(t: list[float], fitted: list[float]) -> float:
+    """R^2 of the logarithms: the share of the variance of log t the line explains. Measured in
+    the space the fit minimises (relative error), where 300 us and 30 ms weigh alike; 0 when
+    the times do not vary or the line is not positive."""
+    if not t or min(fitted) <= 0:
+        return 0.0
+    logs = [math.log(ti) for ti in t]
+    mean = sum(logs) / len(logs)
+    total = sum((x - mean) ** 2 for x in logs)
+    resid = sum((x - math.log(fi)) ** 2 for x, fi in zip(logs, fitted, strict=True))
+    return 1 - resid / total if total > 1e-12 else 0.0
+
+
+def fit_op(op: str, pts: list[dict[str, Any]]) -> dict[str, Any]:
+    n = int(pts[0]["world_size"])
+    valid = [(float(p["size_bytes"]), float(p["time_us"]) * 1e-6) for p in pts
+             if math.isfinite(float(p["time_us"])) and float(p["time_us"]) > 0]
+    dropped = len(pts) - len(valid)  # a time of zero or less, or not a number: not a measurement
+    s, t = [v[0] for v in valid], [v[1] for v in valid]
+    sizes = sorted(set(s))
+    a, b = line_fit(s, t) if len(sizes) >= 2 else (sum(t) / len(t) if t else 0.0, 0.0)
+    fitted = [a + b * si for si in s]
+    r2 = log_r2(t, fitted)
+    rel = [abs(ti - fi) / ti for ti, fi in zip(t, fitted, strict=True)]
+    off = [max(fi / ti, ti / fi) if fi > 0 else math.inf for ti, fi in zip(t, fitted, strict=True)]
+    worst = max(zip(off, s, strict=True), default=(1.0, 0.0))
+    k_alpha, k_beta = ring_terms(op, n)
+    return {"world_size": n, "points": len(valid), "sizes": len(sizes), "dropped_points": dropped,
+            "min_bytes": min(s, default=0.0), "max_bytes": max(s, default=0.0),
+            "a_s": a, "b_s_per_byte": b, "r2": r2,
+            "median_rel_residual": sorted(rel)[len(rel) // 2] if rel else 0.0,
+            "max_rel_residual": max(rel, default=0.0), "max_factor_off": worst[0],
+            "alpha_s": a / k_alpha if k_alpha else a,
+            "beta_s_per_byte": b / k_beta if k_beta else b,
+            "refused": refusal(n, sizes, a, b, r2, (worst[1], worst[0]))}
+
+
+def fit(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per collective: a, b of t = a + b S (both >= 0), R^2, relative residuals, the ring-model
+    alpha and beta, and `refused`: why predictions would mislead (None when they would not)."""
     by_op: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        if "size_bytes" in r and "time_us" in r:
+        if isinstance(r, dict) and "size_bytes" in r and "time_us" in r:
             by_op.setdefault(r["op"], []).append(r)
-    for op, pts in by_op.items():
-        if len({p["size_bytes"] for p in pts}) < 2:
-            continue
-        n = int(pts[0]["world_size"])
-        s = np.array([p["size_bytes"] for p in pts], dtype=float)
-        t = np.array([p["time_us"] for p in pts], dtype=float) * 1e-6
-        b, a = np.polyfit(s, t, 1)
-        resid = t - (a + b * s)
-        r2 = 1 - float((resid**2).sum()) / float(((t - t.mean()) ** 2).sum() or 1.0)
-        k_alpha, k_beta = ring_terms(op, n)
-        out[op] = {"world_size": n, "points": len(pts), "a_s": float(a), "b_s_per_byte": float(b),
-                   "r2": r2, "alpha_s": float(a) / k_alpha if k_alpha else float(a),
-                   "beta_s_per_byte": float(b) / k_beta}
-    return out
+    return {op: fit_op(op, pts) for op, pts in by_op.items()}
 
 
-def predict(model: dict[str, dict[str, float]], op: str, size_bytes: float, n: int) -> dict[str, float]:
+def predict(model: dict[str, dict[str, Any]], op: str, size_bytes: float, n: int) -> dict[str, float]:
     """Time (s) of `op` on S bytes and n ranks, ring and tree forms, from that op's fit (or the
-    all_reduce fit when the op was not measured)."""
-    params = model.get(op) or model.get("all_reduce")
+    all_reduce fit when the op was not measured). PoorFitError when that fit was refused."""
+    if not (n >= 1 and math.isfinite(size_bytes) and size_bytes >= 0):
+        raise ValueError(f"{size_bytes:g} bytes on {n} ranks is not a collective (ranks >= 1, "
+                         "bytes >= 0)")
+    name = op if op in model else "all_reduce"
+    params = model.get(name)
     if params is None:
         raise KeyError(f"no fit for {op} (nor all_reduce) in the measurements")
+    if params.get("refused"):
+        raise PoorFitError(f"no prediction for {op} from the {name} fit: {params['refused']}")
     alpha, beta = params["alpha_s"], params["beta_s_per_byte"]
     ring_a, ring_b = ring_terms(op, n)
     tree_a, tree_b = tree_terms(op, n)
@@ -86,13 +203,23 @@ def predict(model: dict[str, dict[str, float]], op: str, size_bytes: float, n: i
             "tree_s": tree_a * alpha + tree_b * size_bytes * beta}
 
 
-def format_fit(model: dict[str, dict[str, float]]) -> str:
-    lines = ["# alpha-beta fit: t = a + b S per collective; alpha, beta of the ring model",
-             f"# {'op':<15}{'ranks':>6}{'points':>7}{'a (us)':>10}{'1/b (GB/s)':>12}{'R^2':>8}"
-             f"{'alpha (us)':>12}{'1/beta (GB/s)':>15}"]
+def _bandwidth(seconds_per_byte: float) -> str:
+    return f"{1 / seconds_per_byte / 1e9:.3f}" if seconds_per_byte > 0 else "-"
+
+
+def format_fit(model: dict[str, dict[str, Any]]) -> str:
+    """The table of trusted fits, then one line per refused fit saying what to measure."""
+    lines = ["# alpha-beta fit: t = a + b S per collective (a, b >= 0, least squares on relative "
+             "error; R^2 of log t; max rel: the largest |t - fit| / t); alpha, beta of the ring model",
+             f"# {'op':<15}{'ranks':>6}{'sizes':>6}{'a (us)':>10}{'1/b (GB/s)':>12}{'R^2':>8}"
+             f"{'max rel':>9}{'alpha (us)':>12}{'1/beta (GB/s)':>15}"]
     for op, m in model.items():
-        inv_b = 1 / m["b_s_per_byte"] / 1e9 if m["b_s_per_byte"] > 0 else float("inf")
-        inv_beta = 1 / m["beta_s_per_byte"] / 1e9 if m["beta_s_per_byte"] > 0 else float("inf")
-        lines.append(f"  {op:<15}{m['world_size']:>6}{m['points']:>7}{m['a_s'] * 1e6:>10.1f}"
-                     f"{inv_b:>12.3f}{m['r2']:>8.4f}{m['alpha_s'] * 1e6:>12.1f}{inv_beta:>15.3f}")
+        if m["refused"]:
+            continue
+        lines.append(f"  {op:<15}{m['world_size']:>6}{m['sizes']:>6}{m['a_s'] * 1e6:>10.1f}"
+                     f"{_bandwidth(m['b_s_per_byte']):>12}{m['r2']:>8.4f}"
+                     f"{100 * m['max_rel_residual']:>8.0f}%{m['alpha_s'] * 1e6:>12.1f}"
+                     f"{_bandwidth(m['beta_s_per_byte']):>15}")
+    lines += [f"# {op} ({m['world_size']} ranks): fit refused, no predictions: {m['refused']}"
+              for op, m in model.items() if m["refused"]]
     return "\n".join(lines)

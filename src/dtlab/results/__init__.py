@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from dtlab.results.collect import collect, read_csv, write_csv
@@ -17,6 +18,10 @@ def write_outputs(root: Path, report: Path | None = None, comm_csvs: tuple[Path,
     root = Path(root)
     rows = collect(root)
     comm = [r for path in comm_csvs for r in read_csv(path)]  # before anything is written
+    for r in rows:  # the report's findings say it too, and do not compare their throughput
+        if r.get("unreliable"):
+            print(f"WARN: {r['series']} at {r['world_size']} rank(s) ({r['source']}): timings "
+                  f"unreliable ({r['unreliable']})", file=sys.stderr)
     csv_path = write_csv(rows, root / "results.csv")
     if importlib.util.find_spec("matplotlib") is None:
         print(f"results: {csv_path}\nplots and report skipped: they need matplotlib "

@@ -63,6 +63,7 @@ def row_from_run(run_dir: Path, root: Path) -> dict[str, Any]:
         key=rec.get("key", ""),
         source=str(run_dir.relative_to(root)) if run_dir != root else ".",
     )
+    row["unreliable"] = "; ".join((s.get("timing") or {}).get("unreliable") or []) or None
     for k in ("peak_reserved_bytes", "param_bytes", "grad_bytes", "optim_bytes"):  # the largest rank
         row[k] = max(mem[k]) if mem.get(k) else None
     pipe = s.get("pipeline")

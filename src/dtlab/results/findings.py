@@ -29,9 +29,22 @@ def _ranks(n: float) -> str:
     return f"{n:g} rank" + ("" if n == 1 else "s")
 
 
+def _unreliable(r: dict[str, Any]) -> bool:
+    """Timings measured under load or oversubscription (summary.json `timing`)."""
+    return bool(r.get("unreliable"))
+
+
+def _names(runs: list[dict[str, Any]]) -> str:
+    return ", ".join(dict.fromkeys(str(r.get("series")) for r in runs))
+
+
 def findings(rows: list[dict[str, Any]]) -> list[str]:
+    """Memory and correctness findings from every finished run; throughput, scaling and speed
+    comparisons only from runs whose timings are reliable (the others get a WARN instead)."""
     done = [r for r in rows if r.get("status") in (None, "done") and _num(r, "world_size")]
-    out: list[str] = []
+    out: list[str] = [f"WARN: {r['series']} at {_ranks(r['world_size'])}: timings unreliable "
+                      f"({r['unreliable']}); its throughput is not compared."
+                      for r in done if _unreliable(r)]
     base = registry.BASELINE
     ddp = {(r["world_size"], _rest(r)): r for r in done if r.get("strategy") == base}
     for r in done:
@@ -44,7 +57,8 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
             if a is not None and b:
                 parts.append(f"{100 * a / b:.0f}% of {base}'s {what} per rank")
         a, b = _num(r, "samples_per_s"), _num(ref, "samples_per_s")
-        speed = f"; throughput {100 * (a / b - 1):+.0f}%" if a is not None and b else ""
+        trusted = not (_unreliable(r) or _unreliable(ref))
+        speed = f"; throughput {100 * (a / b - 1):+.0f}%" if a is not None and b and trusted else ""
         if parts:
             out.append(f"{r['series']} holds {' and '.join(parts)} at {_ranks(r['world_size'])}{speed}.")
 
@@ -53,7 +67,11 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
         by_series[str(r.get("series"))].append(r)
     for series, runs in sorted(by_series.items()):
         runs = sorted((r for r in runs if _num(r, "samples_per_s")), key=lambda r: r["world_size"])
-        if len(runs) > 1 and runs[0]["world_size"] != runs[-1]["world_size"]:
+        shaky = [r for r in runs if _unreliable(r)]
+        if len(runs) > 1 and runs[0]["world_size"] != runs[-1]["world_size"] and shaky:
+            out.append(f"{series}: scaling not computed: the timings at "
+                       f"{', '.join(_ranks(r['world_size']) for r in shaky)} are unreliable.")
+        elif len(runs) > 1 and runs[0]["world_size"] != runs[-1]["world_size"]:
             first, last = runs[0], runs[-1]
             gain = last["samples_per_s"] / first["samples_per_s"]
             eff = gain / (last["world_size"] / first["world_size"])
@@ -71,9 +89,13 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     for n, runs in sorted(by_ranks.items()):
         fast = [r for r in runs if _num(r, "samples_per_s")]
         lean = [r for r in runs if _num(r, "state_bytes")]
-        if len(fast) > 1:
+        shaky = [r for r in fast if _unreliable(r)]
+        if len(fast) > 1 and shaky:
+            text = f"At {_ranks(n)} no fastest is named (timings of {_names(shaky)} unreliable)"
+        elif len(fast) > 1:
             best = max(fast, key=lambda r: r["samples_per_s"])
             text = f"At {_ranks(n)} the fastest is {best['series']} ({best['samples_per_s']:,.0f} samples/s)"
+        if len(fast) > 1:
             if len(lean) > 1:
                 least = min(r["state_bytes"] for r in lean)
                 ties = [r["series"] for r in lean if r["state_bytes"] <= 1.01 * least]

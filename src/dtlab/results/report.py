@@ -27,6 +27,7 @@ RUN_COLUMNS = [
     ("epoch_time_s", "epoch (s)", "{:.2f}"), ("peak_memory_bytes", "peak mem/rank (MiB)", "mib"),
     ("state_bytes", "state/rank (MiB)", "mib"), ("final_train_loss", "final loss", "{:.4f}"),
     ("val_loss", "val loss", "{:.4f}"), ("val_acc", "val acc", "{:.3f}"), ("reason", "reason", None),
+    ("unreliable", "timings unreliable", None),
 ]
 
 
