@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import errno
 import functools
 import hashlib
 import json
@@ -34,7 +35,8 @@ from typing import Any
 
 import torch
 
-from dtlab.errors import DtlabError
+from dtlab import files
+from dtlab.errors import DtlabError, PeerError, RunError
 
 MANIFEST = "dtlab-checkpoint.json"
 FORMAT = "dtlab-checkpoint/1"
@@ -142,6 +144,57 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
+def _signature(path: Path) -> tuple[tuple[str, int, int], ...]:
+    return tuple((p.name, st.st_size, st.st_mtime_ns) for p in sorted(Path(path).iterdir())
+                 if p.is_file() and (st := p.stat()))
+
+
+_verified: dict[str, tuple[Any, dict[str, Any]]] = {}  # path -> (files' signature, manifest)
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """read_manifest() plus DCP's metadata through the allowlisting unpickler: a checkpoint that
+    passes can be loaded (if it matches the model). Remembered while its files stay unchanged, so
+    that choosing a checkpoint and loading it hash the files once."""
+    path = Path(path)
+    key = str(path.resolve())
+    if key in _verified and path.is_dir() and _verified[key][0] == _signature(path):
+        return _verified[key][1]
+    manifest = read_manifest(path)
+    try:
+        _safe_reader()(str(path)).read_metadata()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, OSError) as e:
+        raise CheckpointError(f"checkpoint '{path}': refused metadata ({e})") from None
+    _verified[key] = (_signature(path), manifest)
+    return manifest
+
+
+def newest_verified(run_dir: Path, warn: bool = True) -> Path | None:
+    """resume=auto: the newest complete checkpoint that verifies, None when there is none. The
+    newer ones that fail are skipped with one line naming them and why; when every checkpoint
+    fails, nothing is resumed silently: CheckpointError."""
+    skipped: list[str] = []
+    for _, path in reversed(complete_checkpoints(run_dir, warn=warn)):
+        try:
+            verify(path)
+        except CheckpointError as e:
+            skipped.append(f"{path.name} ({_reason(e, path)})")
+            continue
+        if skipped and warn:
+            print(f"dtlab: warning: skipping checkpoint {'; '.join(skipped)}: it does not verify; "
+                  f"resuming from {path.name} instead", file=sys.stderr, flush=True)
+        return path
+    if skipped:
+        raise CheckpointError(
+            f"no checkpoint in '{checkpoint_root(run_dir)}' verifies: {'; '.join(skipped)}; fix: "
+            "restore a good copy, or start over with resume=none")
+    return None
+
+
+def _reason(error: CheckpointError, path: Path) -> str:
+    return str(error).replace(f"checkpoint '{path}': ", "").replace(f"checkpoint '{path}' ", "")
+
+
 def check_compatible(manifest: dict[str, Any], config: dict[str, Any], path: Path) -> None:
     """Refuse what would not continue the same training: another model, optimizer or data order."""
     saved = manifest["config"]
@@ -186,26 +239,38 @@ def _set_rng_state(state: dict[str, str], device: torch.device) -> None:
 
 def save(run_dir: Path, step: int, tensors: dict[str, Any], manifest: dict[str, Any], ctx: Any,
          keep: int, fault: Any = None) -> Path:
-    """Write a checkpoint for `step` on every rank, publish it atomically, keep the last `keep`."""
+    """Write a checkpoint for `step` on every rank, publish it atomically, keep the last `keep`.
+
+    The ranks agree after each phase (prepare, write the shards, publish), so that a failure on
+    any rank (a full disk, a read-only mount) stops every rank at the same point with one message,
+    and the half-written directory is removed; the previous checkpoint is never touched."""
     import torch.distributed.checkpoint as dcp  # here, not at start-up (DCP imports DTensor)
 
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-{final.name}"
-    if ctx.is_main:
+    failure = _SaveFailure(run_dir, step, tensors, ctx)
+
+    def prepare() -> None:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(".tmp-*"):  # an earlier save that was interrupted
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-    ctx.barrier()
-    with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(tensors, checkpoint_id=str(tmp))
-    (tmp / f"rng_rank{ctx.rank}.json").write_text(json.dumps(_rng_state(ctx.device)))
-    if fault is not None:
+
+    failure.agree(_attempt(prepare) if ctx.is_main else None, tmp)
+
+    def write_shards() -> None:
+        with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(tensors, checkpoint_id=str(tmp))
+        (tmp / f"rng_rank{ctx.rank}.json").write_text(json.dumps(_rng_state(ctx.device)))
+
+    error = _attempt(write_shards, ctx.rank)
+    if fault is not None and error is None:
         fault.during_save(step)  # tests: kill -9 here, before anything is published
-    ctx.barrier()
-    if ctx.is_main:
+    failure.agree(error, tmp)
+
+    def publish() -> None:
         files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
                  for p in sorted(tmp.iterdir()) if p.is_file()}
         body = {"format": FORMAT, "step": step, "world_size": ctx.world_size, "files": files,
@@ -220,8 +285,117 @@ def save(run_dir: Path, step: int, tensors: dict[str, Any], manifest: dict[str, 
         os.replace(tmp, final)  # the publication: one atomic rename
         for _, old in complete_checkpoints(run_dir, warn=False)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    ctx.barrier()
+
+    failure.agree(_attempt(publish) if ctx.is_main else None, tmp)
     return final
+
+
+def _attempt(fn: Any, rank: int = 0) -> BaseException | None:
+    """fn()'s failure on this rank, or None. Interrupts pass through, also when DCP wrapped them."""
+    try:
+        fn()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+        failures = getattr(e, "failures", None)
+        if not isinstance(failures, dict) or not failures:
+            return e
+        # DCP's: every rank gets the failures of all ranks; this rank reports only its own.
+        own = failures[rank][0] if rank in failures else None
+        if isinstance(own, (KeyboardInterrupt, SystemExit)):
+            raise own from None
+        return own
+    return None
+
+
+class _SaveFailure:
+    """Turns a failed save into one line, printed by rank 0 (every rank stops)."""
+
+    def __init__(self, run_dir: Path, step: int, tensors: dict[str, Any], ctx: Any) -> None:
+        self.run_dir, self.step, self.ctx = Path(run_dir), step, ctx
+        self.tensors = tensors
+        self.free_before = files.free_bytes(checkpoint_root(run_dir))
+
+    def agree(self, error: BaseException | None, tmp: Path) -> None:
+        """Collective: raise on every rank when any rank failed."""
+        text = self.explain(error) if error is not None else None
+        texts = _all_gather_text(self.ctx, text)
+        failed = [(r, t) for r, t in enumerate(texts) if t is not None]
+        if not failed:
+            return
+        if self.ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees what the failed save took
+        rank, message = failed[0]
+        if self.ctx.is_main:
+            raise RunError(message)
+        peer = PeerError(f"rank {rank} could not write checkpoint step {self.step}")
+        peer.exit_code = 1
+        raise peer
+
+    def explain(self, error: BaseException) -> str:
+        root = checkpoint_root(self.run_dir)
+        part = f"rank {self.ctx.rank}'s part of " if self.ctx.world_size > 1 else ""
+        doing = f"writing {part}checkpoint step {self.step} to '{root}'"
+        os_error = files.os_error_in(error)
+        needed = self.needed_bytes()
+        free, limit = self.free_before, files.file_size_limit()
+        if os_error is None:
+            # torch.save reports a failed write as "unexpected pos N vs M", without the errno:
+            # the file-size limit and the free space tell what it was.
+            if limit is not None and limit < needed:
+                os_error = OSError(errno.EFBIG, "File too large")
+            elif (free_now := files.free_bytes(root)) is not None and free_now < needed:
+                os_error = OSError(errno.ENOSPC, "No space left on device")
+        intact = intact_note(self.run_dir)
+        if os_error is None:
+            first = next((x.strip() for x in str(error).splitlines() if x.strip()),
+                         type(error).__name__)[:200]
+            return f"{doing} failed ({first}); {intact}; fix: check the file system holding run.dir"
+        need = ""
+        if os_error.errno in files.FULL:
+            need = f" (needs ~{needed / files.MB:.1f} MB" + (
+                f", {free / files.MB:.1f} MB free)" if free is not None else ")")
+        elif os_error.errno == errno.EFBIG and limit is not None:
+            need = f" (needs ~{needed / files.MB:.1f} MB, file-size limit {limit / files.MB:.1f} MB)"
+        return (f"{files.cause(os_error)} while {doing}{need}; {intact}; "
+                f"fix: {files.fix(os_error, 'run.dir')}")
+
+    def needed_bytes(self) -> int:
+        """What the checkpoint takes: the previous one's size, else this rank's tensors times the
+        ranks (an upper bound: replicated tensors are written once)."""
+        found = complete_checkpoints(self.run_dir, warn=False)
+        if found:
+            return files.tree_bytes(found[-1][1])
+        local = sum(t.numel() * t.element_size() for t in _tensors(self.tensors))
+        return local * self.ctx.world_size
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _tensors(v)]
+    if torch.is_tensor(tree):
+        return [tree.to_local() if hasattr(tree, "to_local") else tree]
+    return []
+
+
+def _all_gather_text(ctx: Any, text: str | None) -> list[str | None]:
+    if ctx.backend is None or ctx.world_size == 1:
+        return [text]
+    import torch.distributed as dist
+
+    out: list[str | None] = [None] * ctx.world_size
+    dist.all_gather_object(out, text)
+    return out
+
+
+def intact_note(run_dir: Path) -> str:
+    """Which checkpoint a rerun continues from, for the messages of a failed run."""
+    found = complete_checkpoints(run_dir, warn=False)
+    if not found:
+        return "no checkpoint was written yet (train.checkpoint_every sets how often)"
+    return f"step {found[-1][0]} is intact (resume=auto continues from it)"
 
 
 def _dcp_load(tensors: dict[str, Any], path: Path) -> None:
@@ -248,7 +422,7 @@ def _dcp_load(tensors: dict[str, Any], path: Path) -> None:
 
 def load(path: Path, tensors: dict[str, Any], config: dict[str, Any], ctx: Any) -> dict[str, Any]:
     """Verify, check compatibility, then fill `tensors` in place; returns the manifest."""
-    manifest = read_manifest(path)
+    manifest = verify(path)
     check_compatible(manifest, config, path)
     _dcp_load(tensors, path)
     rng = Path(path) / f"rng_rank{ctx.rank}.json"

@@ -8,15 +8,34 @@ from typing import Any
 from dtlab import checkpoint
 from dtlab.config import Config
 from dtlab.distributed import DistContext
+from dtlab.errors import PeerError
 from dtlab.run_state import RunState, Training
 
 
-def resume_path(cfg: Config, run_dir: Path, warn: bool = True) -> Path | None:
+def resume_path(cfg: Config, run_dir: Path, ctx: DistContext) -> Path | None:
+    """The checkpoint to resume from. Rank 0 chooses and verifies it (and says once what is
+    wrong); the other ranks follow its choice."""
     if cfg.resume == "none":
         return None
+    choice, error = -1.0, None  # the step chosen (auto), -1 none, -2 refused
+    if ctx.is_main:
+        try:
+            path = checkpoint.newest_verified(run_dir) if cfg.resume == "auto" else Path(cfg.resume)
+            if path is not None:
+                manifest = checkpoint.verify(path)
+                checkpoint.check_compatible(manifest, cfg.model_dump(mode="json"), path)
+                choice = float(manifest["step"])
+        except checkpoint.CheckpointError as e:
+            choice, error = -2.0, e
+    choice = ctx.gather_floats([choice])[0][0]
+    if error is not None:
+        raise error
+    if choice == -2.0:
+        raise PeerError("rank 0 refused the checkpoint to resume from")
+    if choice < 0:
+        return None
     if cfg.resume == "auto":
-        found = checkpoint.complete_checkpoints(run_dir, warn=warn)
-        return found[-1][1] if found else None
+        return checkpoint.checkpoint_root(run_dir) / f"step_{int(choice):06d}"
     return Path(cfg.resume)
 
 
