@@ -19,6 +19,7 @@ DCP's own metadata classes. Checksums are verified before anything is read.
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import errno
 import functools
@@ -439,12 +440,29 @@ def export(path: Path, out: Path) -> Path:
     from dtlab.data import spec_for
     from dtlab.models import build_model
 
-    manifest = read_manifest(path)
+    out = Path(out)
+    if out.is_dir():
+        raise DtlabError(f"-o '{out}' is a directory; fix: name the file, e.g. -o "
+                         f"{out / 'model.safetensors'}")
+    problem = files.not_a_directory(out.parent, "the directory of -o")
+    if problem:
+        raise DtlabError(problem.replace("set the directory of -o to a directory path",
+                                         "choose another -o"))
+    manifest = verify(path)
     cfg = Config.model_validate(manifest["config"])
     model = build_model(cfg.model, spec_for(cfg))
     state = model.state_dict()
     _dcp_load({"model": state}, path)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(out))
+    tmp = out.with_name(out.name + ".tmp")
+    try:  # written whole or not at all: an earlier file of that name stays until the new one is
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(tmp))
+        os.replace(tmp, out)
+    except Exception as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        os_error = files.os_error_in(e)
+        if os_error is None:
+            raise
+        raise DtlabError(files.describe(os_error, f"writing '{out}'", "-o")) from None
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import resource
 import shutil
 import tempfile
@@ -45,7 +46,7 @@ def fix(error: OSError, key: str) -> str:
     """What to do about `error`, for the setting `key` that chose the path (e.g. run.dir)."""
     code = error.errno
     if code in FULL:
-        return f"free space on that disk, or set {key} to a directory on another one"
+        return f"free space on that disk, or set {key} to a path on another one"
     if code == errno.EFBIG:
         return f"raise the limit (ulimit -f unlimited), or set {key} elsewhere"
     if code in (errno.EROFS, errno.EACCES, errno.EPERM):
@@ -61,11 +62,16 @@ def describe(error: OSError, doing: str, key: str) -> str:
 
 
 def os_error_in(error: BaseException | None) -> OSError | None:
-    """The OSError behind `error` (itself, or one it was raised from or during)."""
+    """The OSError behind `error`: itself, one it was raised from or during, or one named in its
+    text the way Rust libraries (safetensors) report it, "(os error 28)"."""
     seen = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, OSError) and error.errno is not None:
             return error
+        named = re.search(r"\(os error (\d+)\)", str(error))
+        if named:
+            code = int(named.group(1))
+            return OSError(code, os.strerror(code))
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None

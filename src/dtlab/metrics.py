@@ -118,6 +118,7 @@ class MetricsLog:
                 tmp.unlink(missing_ok=True)
             raise
         os.replace(tmp, path)
+        self.jsonl_bytes = self.jsonl.tell()
         # The last completed step, rewritten every step (not only every log_every steps), so that
         # a resume knows exactly how many steps a failure cost. No fsync: the kernel keeps the
         # write when the process is killed, which is the failure this is for.
@@ -159,7 +160,10 @@ class MetricsLog:
         try:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
+            self.jsonl_bytes = self.jsonl.tell()
         except OSError as e:
+            with contextlib.suppress(OSError):  # no torn last line: the records end whole
+                os.truncate(self.run_dir / "metrics.jsonl", self.jsonl_bytes)
             self._failed(e, self.run_dir / "metrics.jsonl", record.get("step"))
         if self.tb is not None:
             for k, v in record.items():
