@@ -182,8 +182,9 @@ def newest_verified(run_dir: Path, warn: bool = True) -> Path | None:
             skipped.append(f"{path.name} ({_reason(e, path)})")
             continue
         if skipped and warn:
-            print(f"dtlab: warning: skipping checkpoint {'; '.join(skipped)}: it does not verify; "
-                  f"resuming from {path.name} instead", file=sys.stderr, flush=True)
+            which = "checkpoint" if len(skipped) == 1 else "checkpoints"
+            print(f"dtlab: warning: skipped {which} {'; '.join(skipped)}; resuming from "
+                  f"{path.name}, the newest that verifies", file=sys.stderr, flush=True)
         return path
     if skipped:
         raise CheckpointError(
