@@ -294,19 +294,18 @@ def save(run_dir: Path, step: int, tensors: dict[str, Any], manifest: dict[str, 
 
 def _attempt(fn: Any, rank: int = 0) -> BaseException | None:
     """fn()'s failure on this rank, or None. Interrupts pass through, also when DCP wrapped them."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     try:
         fn()
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
-        failures = getattr(e, "failures", None)
-        if not isinstance(failures, dict) or not failures:
-            return e
-        # DCP's: every rank gets the failures of all ranks; this rank reports only its own.
-        own = failures[rank][0] if rank in failures else None
-        if isinstance(own, (KeyboardInterrupt, SystemExit)):
-            raise own from None
-        return own
+    except Exception as e:  # noqa: BLE001 - any failure of a save is reported the same way
+        return e
+    except CheckpointException as e:
+        # Every rank gets the failures of all ranks; this rank reports only its own.
+        own = e.failures[rank][0] if rank in e.failures else None
+        if own is not None and not isinstance(own, Exception):
+            raise own from None  # an interrupt (KeyboardInterrupt, SystemExit) on this rank
+        return own if own is not None or e.failures else e
     return None
 
 
