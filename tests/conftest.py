@@ -311,7 +311,7 @@ GROUPS = {"test_report_browser": "sweep", "test_sweep": "sweep", "test_slurm": "
 COST = {"slurm": 125, "guide-03-fsdp.md": 78, "test_train_features": 65, "test_signals": 60,
         "guide-08-failure-modes.md": 61, "test_reliability": 55, "guide-02-ddp.md": 50,
         "test_zero": 50, "guide-05-model-parallel.md": 45, "sweep": 45, "test_launch": 35,
-        "guide-04-zero.md": 32, "test_ddp_hooks": 25, "test_model_parallel": 25,
+        "guide-04-zero.md": 32, "test_ddp_hooks": 25, "test_model_parallel": 25, "test_faults": 18,
         "guide-07-communication.md": 22, "test_parity": 20, "test_estimate": 15, "test_doctor": 10,
         "test_breakdown": 7, "test_comm": 6, "test_config": 6, "guide-01-single.md": 4,
         "test_data": 4}

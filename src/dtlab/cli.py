@@ -88,7 +88,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dtlab.checkpoint import export
+    from dtlab.export import export
 
     print(f"written: {export(Path(args.checkpoint), Path(args.output))}")
     return 0

@@ -77,7 +77,7 @@ def os_error_in(error: BaseException | None) -> OSError | None:
     return None
 
 
-def not_a_directory(path: Path, key: str) -> str | None:
+def not_a_directory(path: Path, key: str, fix: str | None = None) -> str | None:
     """Why `path` cannot be a directory (it, or a parent, is a file), or None."""
     path = Path(path)
     for p in (path, *path.parents):
@@ -85,8 +85,8 @@ def not_a_directory(path: Path, key: str) -> str | None:
             if p.is_dir():
                 return None
             where = "is a file" if p == path else f"is inside '{p}', which is a file"
-            return (f"{key} '{path}' {where}, not a directory; fix: set {key} to a directory "
-                    "path, or move the file out of the way")
+            fix = fix or f"set {key} to a directory path"
+            return f"{key} '{path}' {where}, not a directory; fix: {fix}, or move the file out of the way"
     return None
 
 

@@ -229,7 +229,7 @@ class MetricsLog:
     def _failed(self, error: OSError, path: Path, step: int | None) -> None:
         """A write failed during training: stop the run with one line (rank 0 writes alone; the
         other ranks then see their next collective fail and are stopped by the launcher)."""
-        from dtlab.checkpoint import intact_note
+        from dtlab.save_failure import intact_note
 
         self._abandon()
         where = f" at step {step}" if step is not None else ""
