@@ -78,6 +78,7 @@ DISK_FULL = re.compile(
 
 
 def test_disk_full_while_saving_a_checkpoint(small_disk: Path, tmp_path: Path) -> None:
+    """A full disk while saving checkpoint 10: exit 1, one line with what it needs; step 5 stays and the rerun resumes from it, equal to an uninterrupted run."""
     run = small_disk / "run"
     train(run, *RUN, "train.max_steps=5")
     ballast = fill(small_disk, 300_000)
@@ -95,6 +96,7 @@ def test_disk_full_while_saving_a_checkpoint(small_disk: Path, tmp_path: Path) -
 
 
 def test_disk_full_on_2_ranks_is_said_once(small_disk: Path) -> None:
+    """A full disk while 2 FSDP ranks save: every rank stops at once (no timeout), the line comes once, the previous checkpoint stays."""
     run = small_disk / "run"
     args = ("strategy.name=fsdp", *RUN, f"run.dir={run}")
     assert ranks.train(2, *args, "train.max_steps=5").returncode == 0
@@ -109,6 +111,7 @@ def test_disk_full_on_2_ranks_is_said_once(small_disk: Path) -> None:
 
 
 def test_disk_full_while_writing_metrics(small_disk: Path) -> None:
+    """A full disk while writing metrics.jsonl: exit 1, one line naming the file and step; the records that fitted stay, whole."""
     run = small_disk / "run"
     fill(small_disk, 3 * 4096)  # config.yaml, progress and one block of metrics.jsonl
     proc = dtlab("train", "train.max_steps=60", "run.log_every=1", "run.progress=false",
@@ -132,6 +135,7 @@ def _train_with_a_file_size_limit(argv: list[str]) -> int:
 
 
 def test_file_size_limit_while_saving_a_checkpoint(tmp_path: Path) -> None:
+    """A file-size limit (ulimit -f, EFBIG) while saving: exit 1, one line naming the limit; step 5 stays and the rerun resumes from it."""
     run = tmp_path / "run"
     train(run, *RUN, "train.max_steps=5")
     proc = ranks.start(1, [*RUN, "train.max_steps=10", f"run.dir={run}"],
@@ -146,36 +150,53 @@ def test_file_size_limit_while_saving_a_checkpoint(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ before training: exit 2
-def test_unusable_run_and_data_directories(tmp_path: Path) -> None:
+FIX = "fix: set {key} to a directory path, or move the file out of the way"
+UNUSABLE = {  # overrides ({file}: a file, {tmp}: an empty directory) -> the message
+    "run.dir is a file": (["run.dir={file}"],
+                          "run.dir '{file}' is a file, not a directory; " + FIX),
+    "run.dir is inside a file": (["run.dir={file}/run"], "run.dir '{file}/run' is inside '{file}', "
+                                 "which is a file, not a directory; " + FIX),
+    "data.dir is a file": (["data.name=cifar10", "data.dir={file}"],
+                           "data.dir '{file}' is a file, not a directory; " + FIX),
+    "data.dir is inside a file, download on": (
+        ["data.name=mnist", "data.download=true", "data.dir={file}/d"],
+        "data.dir '{file}/d' is inside '{file}', which is a file, not a directory; " + FIX),
+    "token files missing": (["model.name=gpt", "data.name=tokens", "data.dir={tmp}"],
+                            "token file {tmp}/train.bin not found; fix: write train.bin (uint16 "
+                            "token ids) into data.dir"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNUSABLE))
+def test_unusable_run_or_data_directory(tmp_path: Path, case: str) -> None:
+    """A run or data directory that cannot be one: exit 2 and one line before anything trains; the file in the way is untouched."""
     a_file = tmp_path / "a_file"
     a_file.write_text("not a directory")
-    fix = "fix: set {key} to a directory path, or move the file out of the way"
-    cases = {
-        (f"run.dir={a_file}",): f"run.dir '{a_file}' is a file, not a directory; "
-                                + fix.format(key="run.dir"),
-        (f"run.dir={a_file}/run",): f"run.dir '{a_file}/run' is inside '{a_file}', which is a "
-                                    "file, not a directory; " + fix.format(key="run.dir"),
-        ("data.name=cifar10", f"data.dir={a_file}"): f"data.dir '{a_file}' is a file, not a "
-                                                     "directory; " + fix.format(key="data.dir"),
-        ("data.name=mnist", "data.download=true", f"data.dir={a_file}/d"):
-            f"data.dir '{a_file}/d' is inside '{a_file}', which is a file, not a directory; "
-            + fix.format(key="data.dir"),
-        ("model.name=gpt", "data.name=tokens", f"data.dir={tmp_path}"):
-            f"token file {tmp_path}/train.bin not found; fix: write train.bin (uint16 token ids) "
-            "into data.dir",
-    }
-    for overrides, message in cases.items():
-        args = ("train", "train.max_steps=2", f"run.dir={tmp_path / 'r'}", *overrides)
-        assert one_line(dtlab(*args), 2) == f"dtlab: error: {message}", overrides
+    overrides, message = UNUSABLE[case]
+    key = "data.dir" if case.startswith("data") else "run.dir"
+    fill_in = {"file": a_file, "tmp": tmp_path, "key": key}
+    args = [o.format(**fill_in) for o in overrides]
+    proc = dtlab("train", "train.max_steps=2", f"run.dir={tmp_path / 'r'}", *args)
+    assert one_line(proc, 2) == "dtlab: error: " + message.format(**fill_in)
     assert a_file.read_text() == "not a directory"
-    # 2 ranks: said once (rank 0), no rank starts training
+
+
+def test_an_unusable_run_directory_on_2_ranks_is_said_once(tmp_path: Path) -> None:
+    """run.dir is a file, on 2 ranks: rank 0 says it once, exit 2, no rank starts training."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
     proc = ranks.train(2, "strategy.name=ddp", f"run.dir={a_file}")
-    assert one_line(proc, 2) == cases[(f"run.dir={a_file}",)].join(["dtlab: error: ", ""])
+    assert one_line(proc, 2) == (f"dtlab: error: run.dir '{a_file}' is a file, not a directory; "
+                                 + FIX.format(key="run.dir"))
+    assert "[METRIC]" not in proc.stdout
 
 
 def test_a_read_only_run_directory(tmp_path: Path) -> None:
+    """A read-only run directory (a read-only mount; without root, permissions): exit 2, one line."""
     ro = tmp_path / "ro"
     why = mount_tmpfs(ro, "size=1m,ro")
+    if why and os.geteuid() == 0:
+        pytest.skip(f"no read-only mount ({why}), and root ignores permissions")
     if why:  # without root, permissions do the same
         ro.chmod(0o555)
     try:
@@ -189,6 +210,7 @@ def test_a_read_only_run_directory(tmp_path: Path) -> None:
 
 
 def test_export_output_checks(tmp_path: Path) -> None:
+    """`dtlab export -o` a directory, or inside a file: exit 2, one line, before anything is loaded."""
     run = tmp_path / "run"
     train(run, *RUN, "train.max_steps=5")
     ckpt = str(run / "checkpoints" / "step_000005")
@@ -203,6 +225,7 @@ def test_export_output_checks(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- compare twice
 def test_compare_twice_in_one_directory_starts_fresh_runs(tmp_path: Path) -> None:
+    """`dtlab compare` twice in one directory, then with another optimizer: three correct tables, every run trained anew."""
     base = ("--strategies", "single,ddp", "--out", str(tmp_path / "cmp"), "train.max_steps=2",
             "run.timing_warmup_steps=1")
 
@@ -230,6 +253,7 @@ def test_compare_twice_in_one_directory_starts_fresh_runs(tmp_path: Path) -> Non
 
 
 def test_compare_row_of_a_run_without_timed_steps() -> None:
+    """A compare row for a run without timed steps has empty speed cells instead of a TypeError."""
     from dtlab.compare import row_for
 
     summary = {"world_size": 1, "samples_per_s": None, "median_step_time_s": None,

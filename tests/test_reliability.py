@@ -88,6 +88,7 @@ SHA = "__0_0.distcp fails its sha256 check: it was modified or corrupted"
 
 
 def test_resume_auto_skips_a_corrupt_latest_checkpoint(uninterrupted: Path, session_dir: Path) -> None:
+    """resume=auto on 2 ranks skips a corrupt latest checkpoint with one warning and resumes the one before, equal to the uninterrupted run; none verifying is one error."""
     run = Path(shutil.copytree(uninterrupted, session_dir / "rel-corrupt-latest"))
     corrupt(run / "checkpoints" / "step_000040")
     proc = run_fails(run)  # 2 ranks, resume=auto
@@ -108,6 +109,7 @@ def test_resume_auto_skips_a_corrupt_latest_checkpoint(uninterrupted: Path, sess
 
 
 def test_a_corrupt_checkpoint_named_by_resume_is_one_error(uninterrupted: Path, tmp_path: Path) -> None:
+    """resume=PATH to a corrupt checkpoint on 2 ranks: exit 2, one line (not one per rank)."""
     ckpt = corrupt(Path(shutil.copytree(uninterrupted / "checkpoints" / "step_000030",
                                         tmp_path / "step_000030")))
     proc = run_fails(tmp_path / "run", f"resume={ckpt}")
