@@ -13,25 +13,34 @@ from dtlab.run_state import RunState, Training
 
 
 def resume_path(cfg: Config, run_dir: Path, ctx: DistContext) -> Path | None:
-    """The checkpoint to resume from. Rank 0 chooses and verifies it (and says once what is
-    wrong); the other ranks follow its choice."""
+    """The checkpoint to resume from. Every rank verifies it (in parallel; load() then reuses the
+    result), the ranks compare their choices, and a problem is said once: by rank 0, or by the
+    one rank that alone found it."""
     if cfg.resume == "none":
         return None
-    choice, error = -1.0, None  # the step chosen (auto), -1 none, -2 refused
-    if ctx.is_main:
-        try:
-            path = checkpoint.newest_verified(run_dir) if cfg.resume == "auto" else Path(cfg.resume)
-            if path is not None:
-                manifest = checkpoint.verify(path)
-                checkpoint.check_compatible(manifest, cfg.model_dump(mode="json"), path)
-                choice = float(manifest["step"])
-        except checkpoint.CheckpointError as e:
-            choice, error = -2.0, e
-    choice = ctx.gather_floats([choice])[0][0]
-    if error is not None:
-        raise error
-    if choice == -2.0:
-        raise PeerError("rank 0 refused the checkpoint to resume from")
+    choice, error = -1.0, None  # the step chosen, -1 none, -2 refused
+    try:
+        path = (checkpoint.newest_verified(run_dir, warn=ctx.is_main) if cfg.resume == "auto"
+                else Path(cfg.resume))
+        if path is not None:
+            manifest = checkpoint.verify(path)
+            checkpoint.check_compatible(manifest, cfg.model_dump(mode="json"), path)
+            choice = float(manifest["step"])
+    except checkpoint.CheckpointError as e:
+        choice, error = -2.0, e
+    choices = [c[0] for c in ctx.gather_floats([choice])]
+    first = next((r for r, c in enumerate(choices) if c == -2.0), None)
+    if first is not None:
+        if first == ctx.rank:
+            raise error  # type: ignore[misc]
+        raise PeerError(f"rank {first} refused the checkpoint to resume from")
+    if len(set(choices)) > 1:
+        if ctx.is_main:
+            raise checkpoint.CheckpointError(
+                f"the ranks found different checkpoints to resume from in '{run_dir}' (steps "
+                f"{sorted({int(c) for c in choices})}); fix: put run.dir on a file system every "
+                "node sees")
+        raise PeerError("the ranks found different checkpoints to resume from")
     if choice < 0:
         return None
     if cfg.resume == "auto":
