@@ -48,7 +48,9 @@ def mount_tmpfs(where: Path, options: str) -> str | None:
         return "mounting a tmpfs needs root"
     proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
                           capture_output=True, text=True)
-    return proc.stderr.strip() or f"mount exit {proc.returncode}" if proc.returncode else None
+    if proc.returncode:
+        return proc.stderr.strip() or f"mount exit {proc.returncode}"
+    return None
 
 
 @pytest.fixture
@@ -57,7 +59,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     disk = tmp_path / "disk"
     why = mount_tmpfs(disk, "size=4m")
     if why:
-        pytest.skip(f"no small disk: {why}; test_file_size_limit covers the failed write")
+        pytest.skip(f"no small disk: {why}; test_file_size_limit_while_saving_a_checkpoint covers the failed write")
     yield disk
     subprocess.run(["umount", "-l", str(disk)], check=False)
 
