@@ -313,8 +313,8 @@ COST = {"slurm": 125, "guide-03-fsdp.md": 78, "test_train_features": 65, "test_s
         "test_zero": 50, "guide-05-model-parallel.md": 45, "sweep": 45, "test_launch": 35,
         "guide-04-zero.md": 32, "test_ddp_hooks": 25, "test_model_parallel": 25,
         "guide-07-communication.md": 22, "test_parity": 20, "test_bad_inputs": 20,
-        "test_estimate": 15, "test_doctor": 10, "test_breakdown": 7, "test_comm": 6,
-        "test_config": 6, "guide-01-single.md": 4, "test_data": 4}
+        "test_faults": 18, "test_estimate": 15, "test_doctor": 10, "test_breakdown": 7,
+        "test_comm": 6, "test_config": 6, "guide-01-single.md": 4, "test_data": 4}
 
 
 @pytest.hookimpl(tryfirst=True)

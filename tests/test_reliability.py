@@ -16,7 +16,7 @@ import torch
 from conftest import dtlab, step_losses, train
 from safetensors.torch import load_file
 
-from dtlab.checkpoint import MANIFEST, sha256
+from dtlab.checkpoint import MANIFEST, sha256, verify
 
 STEPS = "train.max_steps=40"
 CKPT = ("train.checkpoint_every=10", "run.timeout_s=30")
@@ -68,6 +68,53 @@ def test_kill_9_under_elastic_restarts(uninterrupted: Path, session_dir: Path) -
     assert summary["final_train_loss"] == pytest.approx(
         json.loads((uninterrupted / "summary.json").read_text())["final_train_loss"], rel=1e-6)
     assert step_losses(run) == pytest.approx(step_losses(uninterrupted), rel=1e-6)
+
+
+def corrupt(ckpt: Path) -> Path:
+    """One byte of rank 0's shard flipped."""
+    shard = ckpt / "__0_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    return ckpt
+
+
+def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    """What the ranks said on stderr, less tests/ranks.py's note on a rank that said nothing."""
+    return [x for x in proc.stderr.strip().splitlines() if not x.startswith("[rank ")]
+
+
+SHA = "__0_0.distcp fails its sha256 check: it was modified or corrupted"
+
+
+def test_resume_auto_skips_a_corrupt_latest_checkpoint(uninterrupted: Path, session_dir: Path) -> None:
+    """resume=auto on 2 ranks skips a corrupt latest checkpoint with one warning and resumes the one before, equal to the uninterrupted run; none verifying is one error."""
+    run = Path(shutil.copytree(uninterrupted, session_dir / "rel-corrupt-latest"))
+    corrupt(run / "checkpoints" / "step_000040")
+    proc = run_fails(run)  # 2 ranks, resume=auto
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [x for x in proc.stderr.splitlines() if "skipped" in x] == [
+        f"dtlab: warning: skipped checkpoint step_000040 ({SHA}); resuming from step_000030, "
+        "the newest that verifies"]
+    assert f"resuming from {run}/checkpoints/step_000030 at step 30" in proc.stderr
+    assert step_losses(run) == pytest.approx(step_losses(uninterrupted), rel=1e-6)
+    assert verify(run / "checkpoints" / "step_000040")["step"] == 40  # saved again, good
+
+    for name in ("step_000030", "step_000040"):  # none verifies: refused, nothing resumed silently
+        corrupt(run / "checkpoints" / name)
+    proc = run_fails(run)
+    assert proc.returncode == 2 and error_lines(proc) == [
+        f"dtlab: error: [rank 0] no checkpoint in '{run}/checkpoints' verifies: step_000040 "
+        f"({SHA}); step_000030 ({SHA}); fix: restore a good copy, or start over with resume=none"]
+
+
+def test_a_corrupt_checkpoint_named_by_resume_is_one_error(uninterrupted: Path, tmp_path: Path) -> None:
+    """resume=PATH to a corrupt checkpoint on 2 ranks: exit 2, one line (not one per rank)."""
+    ckpt = corrupt(Path(shutil.copytree(uninterrupted / "checkpoints" / "step_000030",
+                                        tmp_path / "step_000030")))
+    proc = run_fails(tmp_path / "run", f"resume={ckpt}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert error_lines(proc) == [f"dtlab: error: [rank 0] checkpoint '{ckpt}': {SHA}"]
 
 
 def test_kill_9_during_a_save_keeps_the_previous_checkpoint(uninterrupted: Path, session_dir: Path) -> None:

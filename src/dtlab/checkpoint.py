@@ -142,6 +142,58 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
+def _signature(path: Path) -> tuple[tuple[str, int, int], ...]:
+    return tuple((p.name, st.st_size, st.st_mtime_ns) for p in sorted(Path(path).iterdir())
+                 if p.is_file() and (st := p.stat()))
+
+
+_verified: dict[str, tuple[Any, dict[str, Any]]] = {}  # path -> (files' signature, manifest)
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """read_manifest() plus DCP's metadata through the allowlisting unpickler: a checkpoint that
+    passes can be loaded (if it matches the model). Remembered while its files stay unchanged, so
+    that choosing a checkpoint and loading it hash the files once."""
+    path = Path(path)
+    key = str(path.resolve())
+    if key in _verified and path.is_dir() and _verified[key][0] == _signature(path):
+        return _verified[key][1]
+    manifest = read_manifest(path)
+    try:
+        _safe_reader()(str(path)).read_metadata()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, OSError) as e:
+        raise CheckpointError(f"checkpoint '{path}': refused metadata ({e})") from None
+    _verified[key] = (_signature(path), manifest)
+    return manifest
+
+
+def newest_verified(run_dir: Path, warn: bool = True) -> Path | None:
+    """resume=auto: the newest complete checkpoint that verifies, None when there is none. The
+    newer ones that fail are skipped with one line naming them and why; when every checkpoint
+    fails, nothing is resumed silently: CheckpointError."""
+    skipped: list[str] = []
+    for _, path in reversed(complete_checkpoints(run_dir, warn=warn)):
+        try:
+            verify(path)
+        except CheckpointError as e:
+            skipped.append(f"{path.name} ({_reason(e, path)})")
+            continue
+        if skipped and warn:
+            which = "checkpoint" if len(skipped) == 1 else "checkpoints"
+            print(f"dtlab: warning: skipped {which} {'; '.join(skipped)}; resuming from "
+                  f"{path.name}, the newest that verifies", file=sys.stderr, flush=True)
+        return path
+    if skipped:
+        raise CheckpointError(
+            f"no checkpoint in '{checkpoint_root(run_dir)}' verifies: {'; '.join(skipped)}; fix: "
+            "restore a good copy, or start over with resume=none")
+    return None
+
+
+def _reason(error: CheckpointError, path: Path) -> str:
+    return str(error).replace(f"checkpoint '{path}': ", "").replace(f"checkpoint '{path}' ", "")
+
+
 def check_compatible(manifest: dict[str, Any], config: dict[str, Any], path: Path) -> None:
     """Refuse what would not continue the same training: another model, optimizer or data order."""
     saved = manifest["config"]
@@ -186,26 +238,40 @@ def _set_rng_state(state: dict[str, str], device: torch.device) -> None:
 
 def save(run_dir: Path, step: int, tensors: dict[str, Any], manifest: dict[str, Any], ctx: Any,
          keep: int, fault: Any = None) -> Path:
-    """Write a checkpoint for `step` on every rank, publish it atomically, keep the last `keep`."""
+    """Write a checkpoint for `step` on every rank, publish it atomically, keep the last `keep`.
+
+    The ranks agree after each phase (prepare, write the shards, publish), so that a failure on
+    any rank (a full disk, a read-only mount) stops every rank at the same point with one message,
+    and the half-written directory is removed; the previous checkpoint is never touched."""
     import torch.distributed.checkpoint as dcp  # here, not at start-up (DCP imports DTensor)
+
+    from dtlab.save_failure import SaveFailure, attempt
 
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-{final.name}"
-    if ctx.is_main:
+    failure = SaveFailure(run_dir, step, tensors, ctx)
+
+    def prepare() -> None:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(".tmp-*"):  # an earlier save that was interrupted
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-    ctx.barrier()
-    with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(tensors, checkpoint_id=str(tmp))
-    (tmp / f"rng_rank{ctx.rank}.json").write_text(json.dumps(_rng_state(ctx.device)))
-    if fault is not None:
+
+    failure.agree(attempt(prepare) if ctx.is_main else None, tmp)
+
+    def write_shards() -> None:
+        with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(tensors, checkpoint_id=str(tmp))
+        (tmp / f"rng_rank{ctx.rank}.json").write_text(json.dumps(_rng_state(ctx.device)))
+
+    error = attempt(write_shards, ctx.rank)
+    if fault is not None and error is None:
         fault.during_save(step)  # tests: kill -9 here, before anything is published
-    ctx.barrier()
-    if ctx.is_main:
+    failure.agree(error, tmp)
+
+    def publish() -> None:
         files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
                  for p in sorted(tmp.iterdir()) if p.is_file()}
         body = {"format": FORMAT, "step": step, "world_size": ctx.world_size, "files": files,
@@ -220,11 +286,12 @@ def save(run_dir: Path, step: int, tensors: dict[str, Any], manifest: dict[str, 
         os.replace(tmp, final)  # the publication: one atomic rename
         for _, old in complete_checkpoints(run_dir, warn=False)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    ctx.barrier()
+
+    failure.agree(attempt(publish) if ctx.is_main else None, tmp)
     return final
 
 
-def _dcp_load(tensors: dict[str, Any], path: Path) -> None:
+def dcp_load(tensors: dict[str, Any], path: Path) -> None:
     """dcp.load with its failures turned into one-line CheckpointErrors (DCP wraps the errors of
     each rank into its own exception type, so they are recognised by their text)."""
     import torch.distributed.checkpoint as dcp
@@ -248,29 +315,10 @@ def _dcp_load(tensors: dict[str, Any], path: Path) -> None:
 
 def load(path: Path, tensors: dict[str, Any], config: dict[str, Any], ctx: Any) -> dict[str, Any]:
     """Verify, check compatibility, then fill `tensors` in place; returns the manifest."""
-    manifest = read_manifest(path)
+    manifest = verify(path)
     check_compatible(manifest, config, path)
-    _dcp_load(tensors, path)
+    dcp_load(tensors, path)
     rng = Path(path) / f"rng_rank{ctx.rank}.json"
     if rng.is_file() and manifest["world_size"] == ctx.world_size:
         _set_rng_state(json.loads(rng.read_text()), ctx.device)
     return manifest
-
-
-def export(path: Path, out: Path) -> Path:
-    """The full (unsharded) model of a checkpoint as one safetensors file, in one process."""
-    from safetensors.torch import save_file
-
-    from dtlab.config import Config
-    from dtlab.data import spec_for
-    from dtlab.models import build_model
-
-    manifest = read_manifest(path)
-    cfg = Config.model_validate(manifest["config"])
-    model = build_model(cfg.model, spec_for(cfg))
-    state = model.state_dict()
-    _dcp_load({"model": state}, path)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(out))
-    return out

@@ -115,7 +115,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dtlab.checkpoint import export
+    from dtlab.export import export
 
     checkpoint = input_dir("CHECKPOINT", args.checkpoint,
                            "pass a checkpoint directory, RUN_DIR/checkpoints/step_NNNNNN")

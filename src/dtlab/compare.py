@@ -1,6 +1,8 @@
 """`dtlab compare`: one config, several strategies, one table (and CSV/JSON).
 
-Each strategy runs as its own `dtlab train` process, one after another, in `OUT/<label>/`.
+Each strategy runs as its own `dtlab train` process, one after another, in `OUT/<label>/`. Every
+run starts fresh (resume=none, the outputs of an earlier run in that directory removed first): a
+comparison measures now, it never reuses numbers from another time, load or config.
 With --verify, every strategy's per-step losses and final parameters are checked against `single`
 at the same global batch: the largest relative deviation is printed, and exceeding the tolerance
 makes the command exit 1.
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +63,26 @@ def param_deviation(path: Path, reference: Path) -> float:
     )
 
 
+# What `dtlab train` writes into a run directory (other files there are left alone).
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "progress", "summary.json",
+               "summary.tmp", "model.safetensors", "checkpoints", "tb", "trace_rank*.json")
+
+
+def clear_run(run_dir: Path) -> None:
+    """Remove an earlier run's outputs, so that nothing of it can be read as this run's."""
+    for pattern in RUN_OUTPUTS:
+        for path in run_dir.glob(pattern):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+
+def _round(value: float | None, digits: int, scale: float = 1.0) -> float | None:
+    """None for what a run did not measure (no timed steps, no evaluation)."""
+    return None if value is None else round(scale * value, digits)
+
+
 def row_for(label: str, s: dict[str, Any]) -> dict[str, Any]:
     mem = s["memory_per_rank"]
     peak_key = "peak_allocated_bytes" if "peak_allocated_bytes" in mem else "peak_rss_bytes"
@@ -72,13 +95,13 @@ def row_for(label: str, s: dict[str, Any]) -> dict[str, Any]:
     return {
         "strategy": label,
         "ranks": s["world_size"],
-        "samples_per_s": round(s["samples_per_s"], 1),
-        "step_time_ms": round(1000 * s["median_step_time_s"], 2),
+        "samples_per_s": _round(s.get("samples_per_s"), 1),
+        "step_time_ms": _round(s.get("median_step_time_s"), 2, 1000),
         "peak_mem_mib": round(max(mem[peak_key]) / MiB, 1),
         "param_mib": round(max(mem["param_bytes"]) / MiB, 3),
         "state_mib": round(max(state) / MiB, 3),
-        "final_loss": round(s["final_train_loss"], 6),
-        "val_acc": round(s["val_acc"], 4) if s.get("val_acc") is not None else None,
+        "final_loss": _round(s.get("final_train_loss"), 6),
+        "val_acc": _round(s.get("val_acc"), 4),
         **comm,
     }
 
@@ -154,13 +177,17 @@ def compare(args: argparse.Namespace) -> int:
         nproc = spec_ranks(spec, args.nproc_per_node)
         cmd = [sys.executable, "-m", "dtlab", "train", "--nproc-per-node", str(nproc)]
         cmd += ["--config", args.config] if args.config else []
-        cmd += [*args.overrides, *spec_overrides, *extra, f"run.dir={out / label}"]
+        cmd += ["resume=none", *args.overrides, *spec_overrides, *extra, f"run.dir={out / label}"]
         print(f"== {spec} on {nproc} rank(s)", flush=True)
+        clear_run(out / label)
         code = run_train(cmd)
         if code:
             failed.append(f"{spec} (exit code {code})")
             continue
         results[spec] = read_run(out / label)
+        if not results[spec][0].get("timed_steps"):  # e.g. resume=PATH of a finished run
+            print(f"dtlab: warning: {spec} trained no timed steps: no speed to report",
+                  file=sys.stderr)
         rows.append(row_for(spec, results[spec][0]))
         unreliable = warning(spec, results[spec][0])  # load or oversubscription: say so
         if unreliable:

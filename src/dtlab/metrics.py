@@ -9,6 +9,7 @@ state bytes are the honest comparison there.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -20,6 +21,9 @@ from typing import Any, TextIO
 
 import torch
 from torch import nn
+
+from dtlab import files
+from dtlab.errors import DtlabError, RunError
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -87,18 +91,39 @@ class MetricsLog:
         self.logged_loss: float | None = None  # what the progress bar shows
         if not enabled:
             return
-        run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
+        try:
+            self._open(run_dir, total_steps, progress, tensorboard, resume_step)
+        except OSError as e:  # before the first step: the run directory is unusable
+            self._abandon()
+            raise DtlabError(files.describe(e, f"writing into run.dir '{run_dir}'", "run.dir")) from None
+
+    def _open(self, run_dir: Path, total_steps: int, progress: bool | str, tensorboard: bool,
+              resume_step: int | None) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / "metrics.jsonl"
         kept = self._history(path, resume_step) if resume_step is not None else []
         if resume_step is not None:
             self.lost_steps = max(self.lost_steps, self._last_step(run_dir) - resume_step)
-        self.jsonl = open(path, "w")  # noqa: SIM115 - closed in close()
+        # The history kept goes into a new file that replaces the old one once written: a full
+        # disk here leaves the old metrics.jsonl as it was.
+        tmp = path.with_name(path.name + ".tmp")
+        self.jsonl = open(tmp, "w")  # noqa: SIM115 - closed in close()
+        try:
+            self.jsonl.writelines(line + "\n" for line in kept)
+            self.jsonl.flush()
+        except OSError:
+            files.close_quietly(self.jsonl)
+            self.jsonl = None
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, path)
+        self.jsonl_bytes = self.jsonl.tell()
         # The last completed step, rewritten every step (not only every log_every steps), so that
         # a resume knows exactly how many steps a failure cost. No fsync: the kernel keeps the
         # write when the process is killed, which is the failure this is for.
         self.progress = open(run_dir / "progress", "w")  # noqa: SIM115 - closed in close()
-        self.jsonl.writelines(line + "\n" for line in kept)
         interactive = progress is True or (progress == "auto" and sys.stdout.isatty())
         if interactive:
             from tqdm import tqdm
@@ -133,8 +158,14 @@ class MetricsLog:
         if not self.enabled:
             return
         assert self.jsonl is not None
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
+        try:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+            self.jsonl_bytes = self.jsonl.tell()
+        except OSError as e:
+            with contextlib.suppress(OSError):  # no torn last line: the records end whole
+                os.truncate(self.run_dir / "metrics.jsonl", self.jsonl_bytes)
+            self._failed(e, self.run_dir / "metrics.jsonl", record.get("step"))
         if self.tb is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step":
@@ -155,9 +186,12 @@ class MetricsLog:
         """Step `step` is done. The bar shows the loss of the last logged step (the number in
         metrics.jsonl), none before the first."""
         if self.progress is not None:
-            self.progress.seek(0)
-            self.progress.write(f"{step:>12d}\n")
-            self.progress.flush()
+            try:
+                self.progress.seek(0)
+                self.progress.write(f"{step:>12d}\n")
+                self.progress.flush()
+            except OSError as e:
+                self._failed(e, self.run_dir / "progress", step)
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
             if self.logged_loss is not None:
@@ -168,8 +202,13 @@ class MetricsLog:
             return
         path = self.run_dir / "summary.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(summary, indent=2) + "\n")
+            os.replace(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            self._failed(e, path, summary.get("steps"))
         flat = {k: v for k, v in summary.items() if isinstance(v, (int, float, str)) and k in SUMMARY_LINE}
         self._print(metric_line({"summary": 1, **flat}))
 
@@ -181,6 +220,26 @@ class MetricsLog:
                 f.close()
         if self.tb is not None:
             self.tb.close()
+
+    def _abandon(self) -> None:
+        """Close every file without flushing again what the disk refused."""
+        for f in (self.jsonl, self.progress):
+            if f is not None:
+                files.close_quietly(f)
+        self.jsonl = self.progress = None
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def _failed(self, error: OSError, path: Path, step: int | None) -> None:
+        """A write failed during training: stop the run with one line (rank 0 writes alone; the
+        other ranks then see their next collective fail and are stopped by the launcher)."""
+        from dtlab.save_failure import intact_note
+
+        self._abandon()
+        where = f" at step {step}" if step is not None else ""
+        raise RunError(f"{files.cause(error)} while writing '{path}'{where}; "
+                       f"{intact_note(self.run_dir)}; fix: {files.fix(error, 'run.dir')}") from None
 
 
 SUMMARY_LINE = (

@@ -8,15 +8,43 @@ from typing import Any
 from dtlab import checkpoint
 from dtlab.config import Config
 from dtlab.distributed import DistContext
+from dtlab.errors import PeerError
 from dtlab.run_state import RunState, Training
 
 
-def resume_path(cfg: Config, run_dir: Path, warn: bool = True) -> Path | None:
+def resume_path(cfg: Config, run_dir: Path, ctx: DistContext) -> Path | None:
+    """The checkpoint to resume from. Every rank verifies it (in parallel; load() then reuses the
+    result), the ranks compare their choices, and a problem is said once: by rank 0, or by the
+    one rank that alone found it."""
     if cfg.resume == "none":
         return None
+    choice, error = -1.0, None  # the step chosen, -1 none, -2 refused
+    try:
+        path = (checkpoint.newest_verified(run_dir, warn=ctx.is_main) if cfg.resume == "auto"
+                else Path(cfg.resume))
+        if path is not None:
+            manifest = checkpoint.verify(path)
+            checkpoint.check_compatible(manifest, cfg.model_dump(mode="json"), path)
+            choice = float(manifest["step"])
+    except checkpoint.CheckpointError as e:
+        choice, error = -2.0, e
+    choices = [c[0] for c in ctx.gather_floats([choice])]
+    first = next((r for r, c in enumerate(choices) if c == -2.0), None)
+    if first is not None:
+        if first == ctx.rank:
+            raise error  # type: ignore[misc]
+        raise PeerError(f"rank {first} refused the checkpoint to resume from")
+    if len(set(choices)) > 1:
+        if ctx.is_main:
+            raise checkpoint.CheckpointError(
+                f"the ranks found different checkpoints to resume from in '{run_dir}' (steps "
+                f"{sorted({int(c) for c in choices})}); fix: put run.dir on a file system every "
+                "node sees")
+        raise PeerError("the ranks found different checkpoints to resume from")
+    if choice < 0:
+        return None
     if cfg.resume == "auto":
-        found = checkpoint.complete_checkpoints(run_dir, warn=warn)
-        return found[-1][1] if found else None
+        return checkpoint.checkpoint_root(run_dir) / f"step_{int(choice):06d}"
     return Path(cfg.resume)
 
 

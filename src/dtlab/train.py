@@ -25,16 +25,15 @@ from typing import Any
 
 import torch
 
-from dtlab import checkpoint, interrupt, state
+from dtlab import checkpoint, files, interrupt, state
 from dtlab.config import (
     Config,
-    ConfigError,
     check_environment,
     check_world,
     load_config,
     to_yaml,
 )
-from dtlab.data import EvalLoader, SampleUsage, TrainLoader, build_datasets
+from dtlab.data import EvalLoader, SampleUsage, TrainLoader, build_datasets, check_data_dir
 from dtlab.distributed import (
     DistContext,
     detect_env,
@@ -86,6 +85,12 @@ def build(cfg: Config, ctx: DistContext) -> tuple[Training, Any, TrainLoader, Ev
     return training, train_set, loader, val_loader
 
 
+def check_paths(cfg: Config) -> None:
+    """Before any rank starts: the run directory can be written, data.dir can be a directory."""
+    files.prepare_dir(Path(cfg.run.dir or "runs/default"), "run.dir")
+    check_data_dir(cfg)
+
+
 def total_steps(cfg: Config, loader: TrainLoader) -> int:
     return cfg.train.max_steps or cfg.train.epochs * loader.steps_per_epoch
 
@@ -114,7 +119,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
     torch.manual_seed(cfg.seed + ctx.rank)  # per-rank randomness (dropout) from here on
 
     # Resume: model, optimizer, schedule, RNG and the position in the data order.
-    path = state.resume_path(cfg, run_dir, warn=ctx.is_main)
+    path = state.resume_path(cfg, run_dir, ctx)
     if path is not None:
         run.start = state.load(path, cfg, ctx, tr)["step"]
         run.step, run.resumed_from = run.start, path
@@ -127,7 +132,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
         print(f"dtlab: resuming from {path} at step {run.start}{done}; steps lost since that "
               f"checkpoint: {log.lost_steps}", file=sys.stderr, flush=True)
     if ctx.is_main:
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        files.write_text(run_dir / "config.yaml", to_yaml(cfg), "run.dir")
     run.epoch = run.start // loader.steps_per_epoch
 
     def evaluate() -> None:
@@ -240,7 +245,8 @@ def _run(config: str | None, overrides: list[str], env: Any) -> int:
         cfg = load_config(config, overrides)
         check_world(cfg, env.world_size, env.local_world_size)
         check_environment(cfg)
-    except ConfigError as e:
+        check_paths(cfg)
+    except DtlabError as e:
         if env.rank == 0:  # every rank finds the same problem: say it once
             print(f"dtlab: error: {e}", file=sys.stderr)
         return 2

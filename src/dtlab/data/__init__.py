@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from dtlab import files
 from dtlab.config import Config
 from dtlab.data import cifar10, mnist, tokens
 from dtlab.data.arrays import ArrayDataset, TokenWindows, augmenter, normalizer
@@ -21,7 +22,8 @@ from dtlab.distributed import DistContext
 from dtlab.errors import DataError, PeerError
 
 __all__ = [
-    "DataSpec", "Dataset", "EvalLoader", "SampleUsage", "TrainLoader", "build_datasets", "spec_for",
+    "DataSpec", "Dataset", "EvalLoader", "SampleUsage", "TrainLoader", "build_datasets",
+    "check_data_dir", "spec_for",
 ]
 
 
@@ -49,6 +51,20 @@ def spec_for(cfg: Config) -> DataSpec:
         return DataSpec("image", s.in_channels, s.image_size, s.num_classes)
     channels, size = IMAGE_SETS[cfg.data.name][1]
     return DataSpec("image", channels, size, 10)
+
+
+def check_data_dir(cfg: Config) -> None:
+    """Before any rank starts (one message, not one per rank): data.dir can be a directory, and
+    a token data set's files are there."""
+    d = cfg.data
+    if d.name == "synthetic":
+        return
+    problem = files.not_a_directory(Path(d.dir), "data.dir")
+    if problem:
+        raise DataError(problem)
+    if cfg.model.name == "gpt":
+        for split in ("train", "val"):
+            tokens.check_file(Path(d.dir), split)
 
 
 def _limit(ds: ArrayDataset, n: int) -> ArrayDataset:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import shutil
 import tarfile
 import urllib.request
 from pathlib import Path
 
+from dtlab import files
 from dtlab.errors import DataError
 
 
@@ -24,13 +26,16 @@ def download(url: str, dest: Path, md5: str, timeout_s: float = 60.0) -> Path:
     dest = Path(dest)
     if dest.is_file() and md5sum(dest) == md5:
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
     try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
         with urllib.request.urlopen(url, timeout=timeout_s) as response, open(part, "wb") as out:
             shutil.copyfileobj(response, out)
     except OSError as e:
-        part.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            part.unlink(missing_ok=True)
+        if e.errno in files.WRITE_FAILURES:  # the disk, not the network
+            raise DataError(files.describe(e, f"downloading {url} to '{dest}'", "data.dir")) from None
         raise DataError(
             f"cannot download {url}: {e}; fix: check the network, or place the file at {dest}"
         ) from None
@@ -50,5 +55,10 @@ def extract_tar(archive: Path, dest_dir: Path) -> None:
     try:
         with tarfile.open(archive) as tar:
             tar.extractall(dest_dir, filter="data")
-    except (tarfile.TarError, OSError) as e:
+    except OSError as e:
+        if e.errno in files.WRITE_FAILURES:
+            raise DataError(files.describe(e, f"extracting {archive} into '{dest_dir}'",
+                                           "data.dir")) from None
+        raise DataError(f"cannot extract {archive}: {e}; fix: delete it and download again") from None
+    except tarfile.TarError as e:
         raise DataError(f"cannot extract {archive}: {e}; fix: delete it and download again") from None

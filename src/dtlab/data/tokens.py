@@ -28,12 +28,17 @@ def declared_vocab(meta: Path) -> int | None:
     return vocab
 
 
-def open_split(folder: Path, split: str, vocab_size: int, seq_len: int) -> np.ndarray:
+def check_file(folder: Path, split: str) -> Path:
     path = Path(folder) / f"{split}.bin"
     if not path.is_file():
         raise DataError(
             f"token file {path} not found; fix: write {split}.bin (uint16 token ids) into data.dir"
         )
+    return path
+
+
+def open_split(folder: Path, split: str, vocab_size: int, seq_len: int) -> np.ndarray:
+    path = check_file(folder, split)
     if path.stat().st_size % 2:
         raise DataError(f"{path} has an odd number of bytes, not uint16 tokens; fix: rewrite it")
     if path.stat().st_size == 0:  # numpy cannot map an empty file

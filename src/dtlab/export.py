@@ -1,0 +1,48 @@
+"""`dtlab export CKPT -o FILE`: a checkpoint's full (unsharded) model as one safetensors file,
+in one process. The output path is checked before anything is loaded; the file is written whole
+or not at all."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from dtlab import files
+from dtlab.checkpoint import dcp_load, verify
+from dtlab.errors import DtlabError
+
+
+def export(path: Path, out: Path) -> Path:
+    """The full (unsharded) model of a checkpoint as one safetensors file, in one process."""
+    from safetensors.torch import save_file
+
+    from dtlab.config import Config
+    from dtlab.data import spec_for
+    from dtlab.models import build_model
+
+    out = Path(out)
+    if out.is_dir():
+        raise DtlabError(f"-o '{out}' is a directory; fix: name the file, e.g. -o "
+                         f"{out / 'model.safetensors'}")
+    problem = files.not_a_directory(out.parent, "the directory of -o", "choose another -o")
+    if problem:
+        raise DtlabError(problem)
+    manifest = verify(path)
+    cfg = Config.model_validate(manifest["config"])
+    model = build_model(cfg.model, spec_for(cfg))
+    state = model.state_dict()
+    dcp_load({"model": state}, path)
+    tmp = out.with_name(out.name + ".tmp")
+    try:  # written whole or not at all: an earlier file of that name stays until the new one is
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(tmp))
+        os.replace(tmp, out)
+    except Exception as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        os_error = files.os_error_in(e)
+        if os_error is None:
+            raise
+        raise DtlabError(files.describe(os_error, f"writing '{out}'", "-o")) from None
+    return out

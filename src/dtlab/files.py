@@ -1,0 +1,153 @@
+"""What to say when the file system refuses a write: one line naming the path, the cause and the
+fix. Used for the run directory (checked before any rank trains), the metrics, checkpoints, the
+data directory and `dtlab export`.
+
+Before training these are bad input (DtlabError, exit 2); once training has begun they are
+RunErrors (exit 1): nothing the user typed was wrong, but the run cannot go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import resource
+import shutil
+import tempfile
+from pathlib import Path
+
+from dtlab.errors import DtlabError
+
+MB = 1e6
+
+_CAUSES = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file too large for the file-size limit (ulimit -f)",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ENOTDIR: "part of the path is a file, not a directory",
+    errno.EEXIST: "a file of that name is in the way",
+    errno.EISDIR: "it is a directory",
+}
+FULL = (errno.ENOSPC, errno.EDQUOT)
+# Failures of the file system (not of the network or the data): a write that cannot happen.
+WRITE_FAILURES = (*FULL, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR,
+                  errno.EISDIR, errno.EEXIST)
+
+
+def cause(error: OSError) -> str:
+    return _CAUSES.get(error.errno or 0, error.strerror or str(error))
+
+
+def fix(error: OSError, key: str) -> str:
+    """What to do about `error`, for the setting `key` that chose the path (e.g. run.dir)."""
+    code = error.errno
+    if code in FULL:
+        return f"free space on that disk, or set {key} to a path on another one"
+    if code == errno.EFBIG:
+        return f"raise the limit (ulimit -f unlimited), or set {key} elsewhere"
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"make it writable, or set {key} to a writable directory"
+    if code in (errno.ENOTDIR, errno.EEXIST):
+        return f"set {key} to a directory path, or move the file out of the way"
+    return f"check the file system, or set {key} to another directory"
+
+
+def describe(error: OSError, doing: str, key: str) -> str:
+    """'<cause> while <doing>; fix: <fix>' (doing names the path)."""
+    return f"{cause(error)} while {doing}; fix: {fix(error, key)}"
+
+
+def os_error_in(error: BaseException | None) -> OSError | None:
+    """The OSError behind `error`: itself, one it was raised from or during, or one named in its
+    text the way Rust libraries (safetensors) report it, "(os error 28)"."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno is not None:
+            return error
+        named = re.search(r"\(os error (\d+)\)", str(error))
+        if named:
+            code = int(named.group(1))
+            return OSError(code, os.strerror(code))
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def not_a_directory(path: Path, key: str, fix: str | None = None) -> str | None:
+    """Why `path` cannot be a directory (it, or a parent, is a file), or None."""
+    path = Path(path)
+    for p in (path, *path.parents):
+        if p.exists():
+            if p.is_dir():
+                return None
+            where = "is a file" if p == path else f"is inside '{p}', which is a file"
+            fix = fix or f"set {key} to a directory path"
+            return f"{key} '{path}' {where}, not a directory; fix: {fix}, or move the file out of the way"
+    return None
+
+
+def prepare_dir(path: Path, key: str) -> None:
+    """Create `path` if needed and check that files can be written into it (DtlabError if not)."""
+    path = Path(path)
+    problem = not_a_directory(path, key)
+    if problem:
+        raise DtlabError(problem)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        # Permission bits do not tell (root ignores them; a read-only mount does not): write.
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".dtlab-write-test-") as probe:
+            probe.write(b"x")
+            probe.flush()
+    except OSError as e:
+        raise DtlabError(describe(e, f"creating a file in {key} '{path}'", key)) from None
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the file system holding `path` (its nearest existing parent)."""
+    for p in (Path(path), *Path(path).parents):
+        if p.exists():
+            try:
+                return shutil.disk_usage(p).free
+            except OSError:
+                return None
+    return None
+
+
+def file_size_limit() -> int | None:
+    """The soft RLIMIT_FSIZE in bytes, None when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under `path`."""
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(root, name)).st_size
+    return total
+
+
+def close_quietly(f: object) -> None:
+    """Close a file whose buffered data may not fit on the disk any more (once: a failed flush
+    would otherwise be retried, and reported, when the object is collected)."""
+    with contextlib.suppress(OSError):
+        f.close()  # type: ignore[attr-defined]
+
+
+def write_text(path: Path, text: str, key: str) -> None:
+    """A small file of the run, written whole or not at all (before training: DtlabError)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise DtlabError(describe(e, f"writing '{path}'", key)) from None
