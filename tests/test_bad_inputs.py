@@ -645,6 +645,7 @@ FILES = {  # bad/NAME: content
     "tokens_empty/train.bin": b"",
     "tokens_empty/val.bin": b"",
     "tokens_odd/train.bin": b"abc",
+    "tokens_odd/val.bin": bytes(400),
     "tokens_meta_text/meta.json": b"{vocab_size: 256",
     "tokens_meta_list/meta.json": b"[256]",
     "tokens_meta_negative/meta.json": b'{"vocab_size": -1}',

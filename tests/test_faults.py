@@ -218,11 +218,12 @@ def test_export_output_checks(tmp_path: Path) -> None:
     ckpt = str(run / "checkpoints" / "step_000005")
     (tmp_path / "a_file").write_text("x")
     assert one_line(dtlab("export", ckpt, "-o", str(tmp_path)), 2) == (
-        f"dtlab: error: -o '{tmp_path}' is a directory; fix: name the file, e.g. -o "
-        f"{tmp_path / 'model.safetensors'}")
-    assert one_line(dtlab("export", ckpt, "-o", str(tmp_path / "a_file" / "m.safetensors")), 2) == (
-        f"dtlab: error: the directory of -o '{tmp_path / 'a_file'}' is a file, not a directory; "
-        "fix: choose another -o, or move the file out of the way")
+        f"dtlab: error: -o/--output '{tmp_path}' is a directory; fix: name a file in it, e.g. "
+        f"--output {tmp_path / 'model.safetensors'}")
+    inside = tmp_path / "a_file" / "m.safetensors"
+    assert one_line(dtlab("export", ckpt, "-o", str(inside)), 2) == (
+        f"dtlab: error: -o/--output '{inside}': '{tmp_path / 'a_file'}' is a file, not a "
+        "directory; fix: choose another path")
 
 
 # ----------------------------------------------------------------------------- compare twice

@@ -79,7 +79,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
     for d in args.dirs:
         input_dir("DIR", d, "pass the directory of a sweep, a compare or a set of logs")
-    output = output_file("-o/--output", args.output)
+    output = output_file("-o/--output", args.output, "results.csv")
     rows = collect(*map(Path, args.dirs))
     print(f"{len(rows)} runs -> {write_csv(rows, output)}")
     return 0
@@ -109,7 +109,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     root = input_dir("DIR", args.dir, "pass the directory of a sweep or a compare")
     for path in args.comm:
         input_file("--comm", path, "write it with `dtlab comm --csv comm.csv`")
-    output = output_file("-o/--output", args.output) if args.output else None
+    output = output_file("-o/--output", args.output, "report.html") if args.output else None
     write_outputs(root, output, tuple(Path(c) for c in args.comm))
     return 0
 
@@ -119,7 +119,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     checkpoint = input_dir("CHECKPOINT", args.checkpoint,
                            "pass a checkpoint directory, RUN_DIR/checkpoints/step_NNNNNN")
-    print(f"written: {export(checkpoint, output_file('-o/--output', args.output))}")
+    print(f"written: {export(checkpoint, output_file('-o/--output', args.output, 'model.safetensors'))}")
     return 0
 
 

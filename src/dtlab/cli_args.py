@@ -166,12 +166,12 @@ def input_dir(flag: str, path: str | Path, fix: str) -> Path:
     return p
 
 
-def output_file(flag: str, path: str | Path) -> Path:
+def output_file(flag: str, path: str | Path, example: str = "out") -> Path:
     """A file that will be written: not a directory, and its parent is (or can be) a directory."""
     p = Path(path)
     if p.is_dir():
-        raise DtlabError(f"{flag} '{p}' is a directory; fix: give a file name, e.g. "
-                         f"{p / 'out'}{p.suffix or ''}")
+        raise DtlabError(f"{flag} '{p}' is a directory; fix: name a file in it, e.g. "
+                         f"{flag.split('/')[-1]} {p / example}")
     for parent in p.parents:
         if parent.exists() and not parent.is_dir():
             raise DtlabError(f"{flag} '{p}': '{parent}' is a file, not a directory; fix: choose "

@@ -21,10 +21,7 @@ def export(path: Path, out: Path) -> Path:
     from dtlab.data import spec_for
     from dtlab.models import build_model
 
-    out = Path(out)
-    if out.is_dir():
-        raise DtlabError(f"-o '{out}' is a directory; fix: name the file, e.g. -o "
-                         f"{out / 'model.safetensors'}")
+    out = Path(out)  # the CLI has checked it is no directory
     problem = files.not_a_directory(out.parent, "the directory of -o", "choose another -o")
     if problem:
         raise DtlabError(problem)

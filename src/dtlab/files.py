@@ -90,16 +90,17 @@ def not_a_directory(path: Path, key: str, fix: str | None = None) -> str | None:
     return None
 
 
-def prepare_dir(path: Path, key: str) -> None:
-    """Create `path` if needed and check that files can be written into it (DtlabError if not)."""
+def check_writable_dir(path: Path, key: str) -> None:
+    """`path` is, or can be created as, a directory files can be written into (DtlabError if
+    not). Nothing is created: a run refused later for another reason leaves no directory."""
     path = Path(path)
     problem = not_a_directory(path, key)
     if problem:
         raise DtlabError(problem)
+    existing = next(p for p in (path, *path.parents, Path.cwd()) if p.exists())
     try:
-        path.mkdir(parents=True, exist_ok=True)
         # Permission bits do not tell (root ignores them; a read-only mount does not): write.
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".dtlab-write-test-") as probe:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".dtlab-write-test-") as probe:
             probe.write(b"x")
             probe.flush()
     except OSError as e:

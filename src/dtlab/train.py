@@ -86,9 +86,9 @@ def build(cfg: Config, ctx: DistContext) -> tuple[Training, Any, TrainLoader, Ev
 
 
 def check_paths(cfg: Config) -> None:
-    """Before any rank starts: the run directory can be written, data.dir can be a directory."""
-    files.prepare_dir(Path(cfg.run.dir or "runs/default"), "run.dir")
+    """Before any rank starts: data.dir can be a directory, the run directory can be written."""
     check_data_dir(cfg)
+    files.check_writable_dir(Path(cfg.run.dir or "runs/default"), "run.dir")
 
 
 def total_steps(cfg: Config, loader: TrainLoader) -> int:

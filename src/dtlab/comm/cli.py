@@ -107,7 +107,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     validate(args)
     for flag, path in (("--json", args.json), ("--csv", args.csv)):
         if path:
-            output_file(flag, path)
+            output_file(flag, path, f"comm.{flag[2:]}")
 
 
 def run_comm(args: argparse.Namespace) -> int:
