@@ -29,7 +29,7 @@ lint: $(STAMP)
 # half the suite. The test groups start heaviest first (tests/conftest.py: COST).
 test: lint
 	$(PY) -m dtlab doctor
-	$(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder
+	$(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=20
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
