@@ -216,6 +216,9 @@ CASES = [
      "config file 'bad/tokens_empty' is a directory"),
     ("config refuses a progress setting in words", "config run.progress=sometimes",
      "run.progress"),
+    ("a DeepSpeed config holding a list is refused",
+     "train strategy.name=deepspeed strategy.deepspeed.config=bad/ds_list.json",
+     "'bad/ds_list.json' holds a JSON list, not an object"),
     # ------------------------------------------------------------------ token data sets
     ("an empty token file is refused", "train {gpt} data.dir=bad/tokens_empty",
      "bad/tokens_empty/train.bin is empty"),
@@ -646,6 +649,7 @@ FILES = {  # bad/NAME: content
     "tokens_empty/val.bin": b"",
     "tokens_odd/train.bin": b"abc",
     "tokens_odd/val.bin": bytes(400),
+    "ds_list.json": b"[1, 2]",
     "tokens_meta_text/meta.json": b"{vocab_size: 256",
     "tokens_meta_list/meta.json": b"[256]",
     "tokens_meta_negative/meta.json": b'{"vocab_size": -1}',

@@ -114,7 +114,8 @@ def test_a_corrupt_checkpoint_named_by_resume_is_one_error(uninterrupted: Path, 
                                         tmp_path / "step_000030")))
     proc = run_fails(tmp_path / "run", f"resume={ckpt}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert error_lines(proc) == [f"dtlab: error: [rank 0] checkpoint '{ckpt}': {SHA}"]
+    assert error_lines(proc) == [f"dtlab: error: [rank 0] checkpoint '{ckpt}': {SHA}; fix: set resume to "
+                                 "another checkpoint (RUN/checkpoints/step_N), or set resume=none to start over"]
 
 
 def test_kill_9_during_a_save_keeps_the_previous_checkpoint(uninterrupted: Path, session_dir: Path) -> None:
@@ -190,6 +191,7 @@ def refused(tmp_path: Path, ckpt: Path, *overrides: str) -> str:
                  *overrides)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "; fix: " in lines[0], lines[0]
     return lines[0]
 
 

@@ -32,7 +32,12 @@ def resume_path(cfg: Config, run_dir: Path, ctx: DistContext) -> Path | None:
     first = next((r for r, c in enumerate(choices) if c == -2.0), None)
     if first is not None:
         if first == ctx.rank:
-            raise error  # type: ignore[misc]
+            if "; fix: " in str(error):
+                raise error  # type: ignore[misc]
+            fix = ("set resume to another checkpoint (RUN/checkpoints/step_N)" if cfg.resume != "auto"
+                   else "restore a complete checkpoint in run.dir")
+            raise checkpoint.CheckpointError(f"{error}; fix: {fix}, or set resume=none to start "
+                                             "over") from None
         raise PeerError(f"rank {first} refused the checkpoint to resume from")
     if len(set(choices)) > 1:
         if ctx.is_main:

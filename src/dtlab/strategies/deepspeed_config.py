@@ -34,7 +34,9 @@ def read_json(path: str) -> dict[str, Any]:
         raise ConfigError(f"strategy.deepspeed.config: '{path}' is not valid JSON ({e}); "
                           "fix: correct the file") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"strategy.deepspeed.config: '{path}' must hold a JSON object")
+        raise ConfigError(f"strategy.deepspeed.config: '{path}' holds a JSON "
+                          f"{type(data).__name__}, not an object; fix: write the config as "
+                          '{"zero_optimization": {...}, ...}')
     return data
 
 
