@@ -151,6 +151,25 @@ def test_file_size_limit_while_saving_a_checkpoint(tmp_path: Path) -> None:
     assert train(run, *RUN, "train.max_steps=10")["resumed_from"]["step"] == 5
 
 
+def _train_with_a_100_kb_file_limit(argv: list[str]) -> int:
+    from dtlab.train import main
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+    return main(argv)
+
+
+def test_file_size_limit_while_saving_the_model(tmp_path: Path) -> None:
+    """run.save_model beyond a file-size limit: exit 1, one line naming the file; no partial file left."""
+    run = tmp_path / "run"
+    proc = ranks.start(1, ["train.max_steps=2", "run.save_model=true", "run.progress=false",
+                           f"run.dir={run}"], target=_train_with_a_100_kb_file_limit)
+    assert one_line(proc, 1) == (
+        "dtlab: error: file too large for the file-size limit (ulimit -f) while writing "
+        f"run.save_model's '{run / 'model.safetensors'}'; fix: raise the limit (ulimit -f "
+        "unlimited), or set run.dir elsewhere")
+    assert not list(run.glob("*model.safetensors"))
+
+
 # ------------------------------------------------------------------ before training: exit 2
 FIX = "fix: set {key} to a directory path, or move the file out of the way"
 UNUSABLE = {  # overrides ({file}: a file, {tmp}: an empty directory) -> the message

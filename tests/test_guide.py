@@ -32,11 +32,12 @@ from conftest import ROOT, dtlab, fast_launches, max_rel_dev, split_command, ste
 
 GUIDE = ROOT / "docs" / "guide"
 BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
-EXPECT = re.compile(r"\s+#\s*exit\s+(\d+)\s*$")
+EXPECT = re.compile(r"\s+#\s*exit\s+(\d+(?:\s+or\s+\d+)*)\b.*$")
 
 
-def commands(chapter: Path) -> list[tuple[str, int]]:
-    """(command, expected exit code) for every command line of the chapter's bash blocks."""
+def commands(chapter: Path) -> list[tuple[str, tuple[int, ...]]]:
+    """(command, expected exit codes) for every command line of the chapter's bash blocks
+    (`# exit 2`, or `# exit 0 or 2, ...` for a command whose outcome depends on the machine)."""
     found = []
     for block in BLOCK.findall(chapter.read_text()):
         block = block.replace("\\\n", " ")
@@ -45,7 +46,7 @@ def commands(chapter: Path) -> list[tuple[str, int]]:
             if not line or line.startswith("#"):
                 continue
             m = EXPECT.search(line)
-            code = int(m.group(1)) if m else 0
+            code = tuple(int(c) for c in m.group(1).split("or")) if m else (0,)
             line = EXPECT.sub("", line) if m else re.sub(r"\s+#.*$", "", line)
             found.append((line, code))
     return found
@@ -164,7 +165,9 @@ def check_communication(w: Path, out: dict[str, str]) -> None:
     rows = json.loads((w / "runs/guide/comm.json").read_text())
     sized = [r for r in rows if "size_bytes" in r]
     assert len(sized) == 7 and all(r["oop"]["wrong"] == 0 and r["ip"]["wrong"] == 0 for r in sized)
-    assert "all_reduce of 26214400 B on 8 ranks" in output_of(out, "--fit")
+    fit = output_of(out, "--fit")  # noisy timings (2 ranks on one core here) may be refused
+    assert "all_reduce of 26214400 B on 8 ranks" in fit or re.search(
+        r"^dtlab: error: --predict 'all_reduce:25M:2': no prediction .*; fix: ", fit, re.M), fit
     import csv
 
     results = list(csv.DictReader((w / "runs/guide/sweep/results.csv").read_text().splitlines()))
@@ -288,10 +291,10 @@ def test_every_command_of_the_chapter_runs(chapter: str, tmp_path: Path,
             proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True,
                                   text=True, timeout=600)
         outputs[cmd] = proc.stdout + proc.stderr
-        assert proc.returncode == expected, f"{cmd}\nexit {proc.returncode}\n{outputs[cmd][-3000:]}"
+        assert proc.returncode in expected, f"{cmd}\nexit {proc.returncode}\n{outputs[cmd][-3000:]}"
     for cmd, expected, job in jobs:
         outputs[cmd] = job.communicate(timeout=600)[0]
-        assert job.returncode == expected, f"{cmd}\nexit {job.returncode}\n{outputs[cmd][-3000:]}"
+        assert job.returncode in expected, f"{cmd}\nexit {job.returncode}\n{outputs[cmd][-3000:]}"
     if chapter in CHECKS:
         CHECKS[chapter](tmp_path, outputs)
     shutil.rmtree(tmp_path / "runs", ignore_errors=True)

@@ -4,6 +4,7 @@ breakdown (`run.comm_breakdown`)."""
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import socket
 from pathlib import Path
@@ -12,10 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtlab import __version__
+from dtlab import __version__, files
 from dtlab.comm.breakdown import measure
 from dtlab.config import Config
 from dtlab.distributed import DistContext
+from dtlab.errors import RunError
 from dtlab.machine_load import timing_record
 from dtlab.metrics import peak_memory, time_stats
 from dtlab.models import build_model, loss_fn
@@ -105,8 +107,19 @@ def save_model(strategy: Strategy, model: nn.Module, path: Path, ctx: DistContex
     from safetensors.torch import save_file
 
     state, _ = strategy.state_dict(model)
-    if ctx.is_main:
-        save_file({k: v.detach().cpu().clone().contiguous() for k, v in state.items()}, str(path))
+    if not ctx.is_main:
+        return
+    tmp = path.with_name(f".tmp-{path.name}")  # whole or not at all
+    try:
+        save_file({k: v.detach().cpu().clone().contiguous() for k, v in state.items()}, str(tmp))
+        os.replace(tmp, path)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        os_error = files.os_error_in(e)
+        if os_error is None:
+            raise
+        raise RunError(files.describe(os_error, f"writing run.save_model's '{path}'",
+                                      "run.dir")) from None
 
 
 def comm_breakdown(cfg: Config, ctx: DistContext, tr: Training, batches: list[Any],
