@@ -4,8 +4,6 @@ or not at all."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 from pathlib import Path
 
 from dtlab import files
@@ -30,16 +28,11 @@ def export(path: Path, out: Path) -> Path:
     model = build_model(cfg.model, spec_for(cfg))
     state = model.state_dict()
     dcp_load({"model": state}, path)
-    tmp = out.with_name(out.name + ".tmp")
-    try:  # written whole or not at all: an earlier file of that name stays until the new one is
+    state = {k: v.detach().clone().contiguous() for k, v in state.items()}
+
+    def write(tmp: Path) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(tmp))
-        os.replace(tmp, out)
-    except Exception as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        os_error = files.os_error_in(e)
-        if os_error is None:
-            raise
-        raise DtlabError(files.describe(os_error, f"writing '{out}'", "-o")) from None
+        save_file(state, str(tmp))
+
+    files.write_whole(out, write, f"writing '{out}'", "-o")
     return out

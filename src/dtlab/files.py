@@ -15,6 +15,7 @@ import re
 import resource
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from dtlab.errors import DtlabError
@@ -141,14 +142,24 @@ def close_quietly(f: object) -> None:
         f.close()  # type: ignore[attr-defined]
 
 
-def write_text(path: Path, text: str, key: str) -> None:
-    """A small file of the run, written whole or not at all (before training: DtlabError)."""
+def write_whole(path: Path, write: Callable[[Path], object], doing: str, key: str,
+                error: type[DtlabError] = DtlabError) -> None:
+    """`write(tmp)` to a file beside `path`, then rename it: the file is written whole or not at
+    all (an earlier one stays until then). A refused write is one `error` naming the cause."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(text)
+        write(tmp)
         os.replace(tmp, path)
-    except OSError as e:
+    except Exception as e:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        raise DtlabError(describe(e, f"writing '{path}'", key)) from None
+        os_error = os_error_in(e)
+        if os_error is None:
+            raise
+        raise error(describe(os_error, doing, key)) from None
+
+
+def write_text(path: Path, text: str, key: str) -> None:
+    """A small file of the run, written whole or not at all (before training: DtlabError)."""
+    write_whole(path, lambda tmp: tmp.write_text(text), f"writing '{path}'", key)

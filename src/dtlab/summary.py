@@ -4,7 +4,6 @@ breakdown (`run.comm_breakdown`)."""
 from __future__ import annotations
 
 import datetime
-import os
 import platform
 import socket
 from pathlib import Path
@@ -109,17 +108,9 @@ def save_model(strategy: Strategy, model: nn.Module, path: Path, ctx: DistContex
     state, _ = strategy.state_dict(model)
     if not ctx.is_main:
         return
-    tmp = path.with_name(f".tmp-{path.name}")  # whole or not at all
-    try:
-        save_file({k: v.detach().cpu().clone().contiguous() for k, v in state.items()}, str(tmp))
-        os.replace(tmp, path)
-    except Exception as e:
-        tmp.unlink(missing_ok=True)
-        os_error = files.os_error_in(e)
-        if os_error is None:
-            raise
-        raise RunError(files.describe(os_error, f"writing run.save_model's '{path}'",
-                                      "run.dir")) from None
+    state = {k: v.detach().cpu().clone().contiguous() for k, v in state.items()}
+    files.write_whole(path, lambda tmp: save_file(state, str(tmp)),
+                      f"writing run.save_model's '{path}'", "run.dir", RunError)
 
 
 def comm_breakdown(cfg: Config, ctx: DistContext, tr: Training, batches: list[Any],
