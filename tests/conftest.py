@@ -290,11 +290,14 @@ timeout_s: 180
 
 @pytest.fixture(scope="session")
 def local_sweep(session_dir: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """2 strategies x {1, 2} ranks on the quick config, swept locally (shared by several tests)."""
+    """2 strategies x {1, 2} ranks on the quick config, swept locally (shared by several tests;
+    its runs start through fast_launches: the real runner's processes, timeouts and signals are
+    tested in test_sweep.py and test_signals.py)."""
     spec = session_dir / "sweep.yaml"
     spec.write_text(LOCAL_SWEEP.format(base=CONFIGS / "quick.yaml"))
     out = session_dir / "sweep"
-    proc = dtlab("sweep", str(spec), "--out", str(out))  # each run is a `dtlab train` process
+    with fast_launches():
+        proc = dtlab("sweep", str(spec), "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
 
@@ -308,13 +311,12 @@ GROUPS = {"test_report_browser": "sweep", "test_sweep": "sweep", "test_slurm": "
 # --no-loadscope-reorder xdist hands out groups in collection order, each to the worker that
 # runs out of work first, so the long ones start first and the short ones fill both workers
 # up to the end (xdist's default order, by test count, would start the one-test chapters last).
-COST = {"slurm": 125, "guide-03-fsdp.md": 78, "test_train_features": 65, "test_signals": 60,
-        "guide-08-failure-modes.md": 61, "test_reliability": 55, "guide-02-ddp.md": 50,
-        "test_zero": 50, "guide-05-model-parallel.md": 45, "sweep": 45, "test_launch": 35,
-        "guide-04-zero.md": 32, "test_ddp_hooks": 25, "test_model_parallel": 25,
-        "guide-07-communication.md": 22, "test_parity": 20, "test_bad_inputs": 20,
-        "test_faults": 18, "test_estimate": 15, "test_doctor": 10, "test_breakdown": 7,
-        "test_comm": 6, "test_config": 6, "guide-01-single.md": 4, "test_data": 4}
+COST = {"slurm": 105, "test_signals": 80, "guide-03-fsdp.md": 72, "guide-08-failure-modes.md": 70,
+        "test_zero": 64, "guide-02-ddp.md": 62, "test_reliability": 52, "guide-05-model-parallel.md": 50,
+        "test_train_features": 37, "guide-04-zero.md": 36, "test_launch": 35, "test_ddp_hooks": 30,
+        "guide-07-communication.md": 27, "sweep": 26, "test_model_parallel": 25, "test_estimate": 20,
+        "test_parity": 15, "test_faults": 10, "test_doctor": 10, "test_hsdp": 6, "test_config": 6,
+        "test_results": 5, "test_bad_inputs": 5, "guide-01-single.md": 4, "test_data": 4}
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -8,8 +8,10 @@ test's process (its exit code and all output: conftest.dtlab), with the ranks of
 from a preloaded forkserver (conftest.fast_launches: real processes and gloo groups, running the
 workers' entry points, without an interpreter start and torch imports per rank); `--max-restarts`
 and several nodes keep torch elastic. Every other line (torchrun, bash scripts, sbatch, python,
-shell syntax) runs through bash as typed; `sbatch --wait` jobs run side by side (sbatch polls at
-2, 8 and then 32 s intervals: each job of chapter 06 would wait ~30 s after it finished).
+shell syntax) runs through bash as typed. `sbatch --wait` jobs are started first (the
+local_slurm fixture has the cluster running, and the chapter's own start of it finds it so) and
+run beside the chapter's other commands: sbatch polls at 2, 8 and then 32 s intervals, so each
+job waits up to ~30 s after it finished, time the other commands now use.
 After a chapter's commands, the numbers its text quotes are checked against what they produced
 (CHECKS below): a change in behaviour that makes the guide wrong fails here. Numbers that float
 rounding decides are compared within the tolerances below, or against a value of the same run;
@@ -268,7 +270,8 @@ CHAPTERS = sorted(p.name for p in GUIDE.glob("[0-9][0-9]-*.md"))
 @pytest.mark.parametrize("chapter", CHAPTERS)
 def test_every_command_of_the_chapter_runs(chapter: str, tmp_path: Path,
                                            request: pytest.FixtureRequest) -> None:
-    if "sbatch" in (GUIDE / chapter).read_text():
+    slurm = "sbatch" in (GUIDE / chapter).read_text()
+    if slurm:
         request.getfixturevalue("local_slurm")  # the chapter's own start then finds it running
     for name in ("configs", "scripts", "benchmarks"):
         (tmp_path / name).symlink_to(ROOT / name)
@@ -277,6 +280,8 @@ def test_every_command_of_the_chapter_runs(chapter: str, tmp_path: Path,
     cmds = commands(GUIDE / chapter)
     assert cmds, f"{chapter} quotes no command"
     jobs: list[tuple[str, int, subprocess.Popen[str]]] = []
+    if slurm:  # the jobs first (stable sort: the rest in the chapter's order)
+        cmds.sort(key=lambda c: "sbatch --wait" not in c[0])
     for cmd, expected in cmds:
         argv = split_command(cmd)
         if "sbatch --wait" in cmd:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import cli, max_rel_dev, step_losses
+from conftest import cli, dtlab, fast_launches, max_rel_dev, step_losses
 
 from dtlab.cli import main
 from dtlab.compare import param_deviation, parse_spec, spec_ranks
@@ -28,9 +28,10 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def runs(session_dir: Path) -> Path:
     out = session_dir / "hsdp"
-    proc = cli("compare", "--strategies", "single,hsdp@2x2", "--nproc-per-node", "4", "--verify",
-               "--out", str(out), f"train.max_steps={STEPS}", "train.grad_accum_steps=2",
-               timeout=600)
+    with fast_launches():
+        proc = dtlab("compare", "--strategies", "single,hsdp@2x2", "--nproc-per-node", "4",
+                     "--verify", "--out", str(out), f"train.max_steps={STEPS}",
+                     "train.grad_accum_steps=2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"verify passed: {STEPS} steps vs single" in proc.stdout
     return out
