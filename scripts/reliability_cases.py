@@ -44,7 +44,8 @@ def collect() -> dict[tuple[str, str], tuple[str, list[str]]]:
         sys.exit(f"reliability_cases: collecting {', '.join(FILES)} failed (pytest exit {code})")
     tests: dict[tuple[str, str], tuple[str, list[str]]] = {}
     cases: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for item in collector.items:
+    # tests/conftest.py orders the items by the cost of their group: put them back in file order
+    for item in sorted(collector.items, key=lambda i: FILES.index(i.path.name)):
         fn = getattr(item, "function", None)
         key = (item.path.name, getattr(item, "originalname", item.name))
         doc = (fn.__doc__ or "").strip().splitlines() if fn else []
