@@ -20,7 +20,7 @@ from dtlab.errors import RunError
 from dtlab.machine_load import timing_record
 from dtlab.metrics import peak_memory, time_stats
 from dtlab.models import build_model, loss_fn
-from dtlab.optim import build_optimizer
+from dtlab.optim import build_optimizer, impl_of
 from dtlab.run_state import RunState, Training
 from dtlab.strategies import registry
 from dtlab.strategies.base import Strategy, autocast
@@ -57,6 +57,7 @@ def summarize(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> dic
         "data": cfg.data.name,
         "precision": cfg.train.precision,
         "compile": cfg.train.compile,
+        "optimizer_impl": impl_of(tr.optimizer),
         "global_batch_size": gb,
         "micro_batch_size": tr.micro_batch,
         "grad_accum_steps": cfg.train.grad_accum_steps,

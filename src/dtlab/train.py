@@ -42,7 +42,7 @@ from dtlab.distributed import (
     leave,
     who_stopped,
 )
-from dtlab.errors import DtlabError, PeerError, RunError
+from dtlab.errors import ConfigError, DtlabError, PeerError, RunError
 from dtlab.faults import Fault
 from dtlab.interrupt import Interrupted
 from dtlab.metrics import MetricsLog
@@ -257,7 +257,9 @@ def _run(config: str | None, overrides: list[str], env: Any) -> int:
                          destroy=not cfg.lab.no_destroy_process_group) as ctx:
             train(cfg, ctx)
     except DtlabError as e:
-        if not isinstance(e, PeerError):  # the rank that failed first-hand explains it
+        # The rank that failed first-hand explains it; a config problem found in set-up is the
+        # same on every rank: rank 0 says it.
+        if not isinstance(e, PeerError) and (env.rank == 0 or not isinstance(e, ConfigError)):
             where = f"[rank {env.rank}] " if env.world_size > 1 else ""
             print(f"dtlab: error: {where}{e}", file=sys.stderr)
         return e.exit_code

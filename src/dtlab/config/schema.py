@@ -114,6 +114,8 @@ class TrainConfig(Section):
         0.999,
     )
     weight_decay: NonNegativeFloat = 0.0
+    # auto: fused where the parameters' device has fused kernels, else foreach (dtlab/optim.py)
+    optimizer_impl: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
     schedule: Literal["constant", "cosine"] = "cosine"
     warmup_steps: NonNegativeInt = 0
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)

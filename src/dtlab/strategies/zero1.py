@@ -40,7 +40,7 @@ class Zero1(DDP):
     def setup(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         model = self.wrap(model)
         o = self.cfg.strategy.zero1
-        cls, kwargs = optimizer_spec(self.cfg.train)
+        cls, kwargs = optimizer_spec(self.cfg.train, model.parameters())
         zero = ZeroRedundancyOptimizer(
             model.parameters(), optimizer_class=cls,
             parameters_as_bucket_view=o.parameters_as_bucket_view,
