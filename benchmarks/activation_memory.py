@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from dtlab import activation_checkpoint
 from dtlab.models import loss_fn
 
 CASES = [
@@ -49,10 +49,8 @@ def precision_context(mode: str, device: torch.device) -> contextlib.AbstractCon
 
 
 def checkpoint_blocks(model: nn.Module) -> None:
-    """Per-block activation checkpointing (non-reentrant), on the model's sharding units."""
-    for block in model.blocks():
-        forward = block.forward
-        block.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(forward)
+    """Per-block activation checkpointing (non-reentrant), as train.activation_checkpointing=full."""
+    activation_checkpoint.apply(model, "full")
 
 
 def saved_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dtlab import checkpoint, files, interrupt, state
+from dtlab import activation_checkpoint, checkpoint, files, interrupt, state
 from dtlab.config import (
     Config,
     check_environment,
@@ -63,6 +63,7 @@ def build(cfg: Config, ctx: DistContext) -> tuple[Training, Any, TrainLoader, Ev
     # Identical initial weights on every rank, for every strategy (unless the lab switch breaks it).
     torch.manual_seed(cfg.seed + (ctx.rank if cfg.lab.per_rank_init_seed else 0))
     model = build_model(cfg.model, spec)
+    activation_checkpoint.apply(model, t.activation_checkpointing, t.ac_every)  # before wrapping
     n_params = count_params(model)
     strategy = registry.build(cfg, ctx)
     model, optimizer = strategy.setup(model)  # the optimizer over the shards this rank owns

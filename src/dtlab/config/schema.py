@@ -123,6 +123,9 @@ class TrainConfig(Section):
     grad_clip: NonNegativeFloat = 0.0  # max global grad norm, 0 = off
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     compile: bool = False
+    # recompute activations in the backward: every block (full) or every ac_every-th (selective)
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    ac_every: PositiveInt = 2
     eval_every: NonNegativeInt = 0  # steps; 0 = at the end of each epoch and of the run
     checkpoint_every: NonNegativeInt = 0  # steps; 0 = no checkpoints (else also one at the end)
     keep_checkpoints: PositiveInt = 2  # the last K complete checkpoints are kept

@@ -137,8 +137,10 @@ def cnn_segments(channels: list[int], hidden: int, in_channels: int, image_size:
         Op("fc2", (a * b * hidden if activation == "gelu" else 0) + wc * hidden * num_classes,
            a * b * num_classes, a * b * hidden, 4 * (hidden + 1) * num_classes,
            wc * hidden * num_classes),
-        Op("loss", 4 * b * num_classes + 4, 4 * b * num_classes, 4 * b * num_classes),
     ], a * b * flat, block=True))
+    # the loss is computed outside the model: a checkpointed head does not recompute it
+    segs.append(Segment("loss", [Op("loss", 4 * b * num_classes + 4, 4 * b * num_classes,
+                                    4 * b * num_classes)]))
     return segs
 
 

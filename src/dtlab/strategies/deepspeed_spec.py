@@ -42,6 +42,11 @@ def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
     if t.compile:
         raise ConfigError("train.compile with strategy deepspeed is not supported; "
                           "fix: set train.compile=false")
+    if t.activation_checkpointing != "none":  # ZeRO-3 gathers parameters in its own hooks
+        raise ConfigError(
+            f"train.activation_checkpointing={t.activation_checkpointing} with strategy deepspeed "
+            "is not supported (DeepSpeed recomputes through its own deepspeed.checkpointing API); "
+            "fix: set train.activation_checkpointing=none")
     deepspeed_config(cfg, world_size, device_type(cfg))  # refuses contradictions
 
 
