@@ -29,14 +29,17 @@ STRATEGIES = [("single", 1, []), ("ddp", 2, []), ("fsdp", 2, []), ("fsdp1", 2, [
 @pytest.mark.parametrize(("strategy", "nproc", "extra"), STRATEGIES, ids=[s[0] for s in STRATEGIES])
 def test_checkpointing_keeps_the_losses_exactly(tmp_path: Path, strategy: str, nproc: int,
                                                 extra: list[str]) -> None:
-    """Dropout on (the RNG state is replayed in the recomputation); full and selective alike."""
+    """Dropout on (the RNG state is replayed in the recomputation); full everywhere, selective
+    (another set of blocks, the same mechanism) where the block wrapping differs."""
     losses = {}
-    for mode in ("none", "full", "selective"):
+    modes = ("none", "full", "selective") if strategy in ("single", "fsdp", "fsdp1") else (
+        "none", "full")
+    for mode in modes:
         train(tmp_path / mode, *TINY_GPT, f"strategy.name={strategy}", *extra,
               f"train.activation_checkpointing={mode}", "train.ac_every=2", config=GPT,
               nproc=nproc)
         losses[mode] = step_losses(tmp_path / mode)
-    assert losses["full"] == losses["none"] and losses["selective"] == losses["none"]
+    assert all(losses[mode] == losses["none"] for mode in modes[1:])
 
 
 def test_blocks_chosen() -> None:
