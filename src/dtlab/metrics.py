@@ -244,5 +244,5 @@ class MetricsLog:
 
 SUMMARY_LINE = (
     "strategy", "world_size", "steps", "median_step_time_s", "samples_per_s", "tokens_per_s",
-    "final_train_loss", "val_loss", "val_acc", "wall_time_s",
+    "final_train_loss", "val_loss", "val_acc", "wall_time_s", "tflops_per_rank", "mfu",
 )

@@ -17,6 +17,7 @@ from dtlab.comm.breakdown import measure
 from dtlab.config import Config
 from dtlab.distributed import DistContext
 from dtlab.errors import RunError
+from dtlab.flops import utilization
 from dtlab.machine_load import timing_record
 from dtlab.metrics import peak_memory, time_stats
 from dtlab.models import build_model, loss_fn
@@ -83,6 +84,8 @@ def summarize(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> dic
     }
     if spec.kind == "tokens" and summary["samples_per_s"]:
         summary["tokens_per_s"] = summary["samples_per_s"] * spec.seq_len
+    summary.update(utilization(cfg, spec, ctx.device, summary["device_name"], ctx.threads,
+                               ctx.world_size, stats.get("median")))
     summary.update(tr.engine.measurements())
     summary["steps_per_epoch"] = run.steps_per_epoch
     summary["epoch_time_s"], summary["epoch_time_measured"] = run.epoch_time(stats.get("median"))

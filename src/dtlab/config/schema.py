@@ -190,6 +190,8 @@ class RunConfig(Section):
     # Also save a checkpoint and stop on this signal (SIGTERM always does), e.g. USR1 with
     # `sbatch --signal=USR1@90`: docs/reliability.md#signals
     checkpoint_signal: Literal["USR1", "USR2"] | None = None
+    # a rank's peak TFLOP/s for MFU, when the device is not in dtlab/flops.py's table
+    peak_tflops: PositiveFloat | None = None
     tensorboard: bool = False
     track_samples: bool = False  # count how often each training sample was used (summary.json)
 
