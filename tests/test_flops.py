@@ -3,7 +3,6 @@ MFU with its peak's source, never from a guessed peak."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,11 @@ from conftest import CONFIGS, train
 from torch import nn
 
 from dtlab import flops
+from dtlab.compare import row_for
 from dtlab.config import load_config
 from dtlab.data import spec_for
 from dtlab.models import build_model
+from dtlab.results.collect import row_from_run
 
 
 def test_gpt_flops_are_6n_plus_12ldt_per_token() -> None:
@@ -78,5 +79,7 @@ def test_a_run_reports_tflops_and_mfu_against_the_measured_cpu_matmul(tmp_path: 
     assert summary["mfu"] == pytest.approx(summary["tflops_per_rank"] / summary["peak_tflops"])
     assert 0 < summary["mfu"] < 1.5  # a matmul on the spot vs a whole step: same order
     assert summary["mfu_note"].startswith("float32 matmul measured on this CPU")
-    line = [x for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if "summary" in x]
-    assert not line or "mfu" in json.loads(line[-1])
+    row = row_for("single", summary)  # compare's table and results.csv carry them
+    assert (row["tflops_per_rank"], row["mfu_pct"]) == (round(summary["tflops_per_rank"], 4),
+                                                       round(100 * summary["mfu"], 1))
+    assert row_from_run(tmp_path, tmp_path.parent)["mfu"] == summary["mfu"]

@@ -97,6 +97,8 @@ def row_for(label: str, s: dict[str, Any]) -> dict[str, Any]:
         "ranks": s["world_size"],
         "samples_per_s": _round(s.get("samples_per_s"), 1),
         "step_time_ms": _round(s.get("median_step_time_s"), 2, 1000),
+        "tflops_per_rank": _round(s.get("tflops_per_rank"), 4),
+        "mfu_pct": _round(s.get("mfu"), 1, 100),  # of summary.json's peak_tflops (mfu_note)
         "peak_mem_mib": round(max(mem[peak_key]) / MiB, 1),
         "param_mib": round(max(mem["param_bytes"]) / MiB, 3),
         "state_mib": round(max(state) / MiB, 3),

@@ -84,8 +84,9 @@ def summarize(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> dic
     }
     if spec.kind == "tokens" and summary["samples_per_s"]:
         summary["tokens_per_s"] = summary["samples_per_s"] * spec.seq_len
-    summary.update(utilization(cfg, spec, ctx.device, summary["device_name"], ctx.threads,
-                               ctx.world_size, stats.get("median")))
+    if ctx.is_main:  # the same on every rank; only rank 0's summary is written
+        summary.update(utilization(cfg, spec, ctx.device, summary["device_name"], ctx.threads,
+                                   ctx.world_size, stats.get("median")))
     summary.update(tr.engine.measurements())
     summary["steps_per_epoch"] = run.steps_per_epoch
     summary["epoch_time_s"], summary["epoch_time_measured"] = run.epoch_time(stats.get("median"))

@@ -23,7 +23,7 @@ COLUMNS = [
     "series", "strategy", "world_size", "nnodes", "status", "reason", "model", "n_params", "data",
     "precision", "global_batch_size", "micro_batch_size", "grad_accum_steps", "steps",
     "steps_per_epoch", "epoch_time_s", "epoch_time_measured", "median_step_time_s",
-    "samples_per_s", "tokens_per_s", "final_train_loss", "val_loss", "val_acc",
+    "samples_per_s", "tokens_per_s", "tflops_per_rank", "mfu", "final_train_loss", "val_loss", "val_acc",
     "peak_memory_bytes", "peak_reserved_bytes", "param_bytes", "grad_bytes", "optim_bytes",
     "state_bytes", "comm_share", "loss_dev", "param_dev", "backend", "device", "device_name", "threads_per_rank",
     "launcher", "torch_version", "dtlab_version", "hostname", "wall_time_s", "key", "source",
