@@ -66,7 +66,8 @@ def test_compare_writes_its_table(parity: Path) -> None:
     assert [r["strategy"] for r in rows] == STRATEGIES
     assert all(float(r["loss_dev"]) < TOL and float(r["param_dev"]) < TOL for r in rows)
     header = (parity / "compare.csv").read_text().splitlines()[0]
-    assert header.startswith("strategy,ranks,samples_per_s,step_time_ms,peak_mem_mib")
+    assert header.startswith("strategy,ranks,samples_per_s,step_time_ms,tflops_per_rank,mfu_pct,"
+                             "peak_mem_mib")
 
 
 def test_sharding_is_real(parity: Path) -> None:
