@@ -65,7 +65,7 @@ def param_deviation(path: Path, reference: Path) -> float:
 
 # What `dtlab train` writes into a run directory (other files there are left alone).
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "progress", "summary.json",
-               "summary.tmp", "model.safetensors", "checkpoints", "tb", "trace_rank*.json")
+               "summary.json.tmp", "model.safetensors", "checkpoints", "tb", "trace_rank*.json")
 
 
 def clear_run(run_dir: Path) -> None:

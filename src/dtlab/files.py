@@ -142,18 +142,27 @@ def close_quietly(f: object) -> None:
         f.close()  # type: ignore[attr-defined]
 
 
-def write_whole(path: Path, write: Callable[[Path], object], doing: str, key: str,
-                error: type[DtlabError] = DtlabError) -> None:
+def replace_whole(path: Path, write: Callable[[Path], object]) -> None:
     """`write(tmp)` to a file beside `path`, then rename it: the file is written whole or not at
-    all (an earlier one stays until then). A refused write is one `error` naming the cause."""
+    all (an earlier one stays until then). On failure the temporary file is removed and the
+    error raised as it came."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
         write(tmp)
         os.replace(tmp, path)
-    except Exception as e:
+    except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_whole(path: Path, write: Callable[[Path], object], doing: str, key: str,
+                error: type[DtlabError] = DtlabError) -> None:
+    """replace_whole(path, write); a refused write is one `error` naming the cause."""
+    try:
+        replace_whole(path, write)
+    except Exception as e:
         os_error = os_error_in(e)
         if os_error is None:
             raise

@@ -201,13 +201,9 @@ class MetricsLog:
         if not self.enabled:
             return
         path = self.run_dir / "summary.json"
-        tmp = path.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps(summary, indent=2) + "\n")
-            os.replace(tmp, path)
+            files.replace_whole(path, lambda tmp: tmp.write_text(json.dumps(summary, indent=2) + "\n"))
         except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             self._failed(e, path, summary.get("steps"))
         flat = {k: v for k, v in summary.items() if isinstance(v, (int, float, str)) and k in SUMMARY_LINE}
         self._print(metric_line({"summary": 1, **flat}))

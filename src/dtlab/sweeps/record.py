@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from dtlab import files
 
 
 def now() -> str:
@@ -24,9 +25,8 @@ def read_record(run_dir: Path) -> dict[str, Any] | None:
 def write_record(run_dir: Path, record: dict[str, Any]) -> None:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / "run.json.tmp"
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, run_dir / "run.json")
+    files.replace_whole(run_dir / "run.json",
+                        lambda tmp: tmp.write_text(json.dumps(record, indent=2) + "\n"))
 
 
 def update_record(run_dir: Path, **changes: Any) -> dict[str, Any]:
