@@ -162,7 +162,7 @@ REFUSED = [
     (4, ["strategy.name=pp", "strategy.pp.microbatches=2"], "microbatches=2 >= the pipeline"),
     (2, ["strategy.name=pp", "strategy.pp.stages_per_rank=2"], "runs one stage per rank"),
     (2, ["strategy.name=pp", "model.tie_weights=true"], "model.tie_weights"),
-    (2, ["strategy.name=tp", "train.compile=true"], "train.compile is not supported"),
+    (2, ["strategy.name=tp", "train.compile=true"], "train.compile=model is not supported"),
 ]
 
 

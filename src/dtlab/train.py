@@ -16,7 +16,6 @@ if __name__ == "__main__":
     exit_on_signals()
 
 import argparse
-import os
 import sys
 import time
 from itertools import islice
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from dtlab import activation_checkpoint, checkpoint, files, interrupt, state
+from dtlab.compile import compile_blocks, compiled_forward
 from dtlab.config import (
     Config,
     check_environment,
@@ -64,13 +64,11 @@ def build(cfg: Config, ctx: DistContext) -> tuple[Training, Any, TrainLoader, Ev
     torch.manual_seed(cfg.seed + (ctx.rank if cfg.lab.per_rank_init_seed else 0))
     model = build_model(cfg.model, spec)
     activation_checkpoint.apply(model, t.activation_checkpointing, t.ac_every)  # before wrapping
+    compile_blocks(model, t.compile)  # before wrapping too, after checkpointing
     n_params = count_params(model)
     strategy = registry.build(cfg, ctx)
     model, optimizer = strategy.setup(model)  # the optimizer over the shards this rank owns
-    if t.compile:
-        # A persistent cache: the first compile costs tens of seconds, later runs reuse it.
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache/dtlab/inductor"))
-    forward = torch.compile(model) if t.compile else model
+    forward = compiled_forward(model, t.compile)
 
     # Batches are dealt to data-parallel replicas (all ranks of one replica see the same samples);
     # without a distributed sampler every rank draws the whole data set's batches itself.

@@ -15,6 +15,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     create_model,
+    field_validator,
     model_validator,
 )
 
@@ -122,7 +123,9 @@ class TrainConfig(Section):
     lr_scale_base_batch: PositiveInt | None = None  # linear scaling: lr x global_batch / this
     grad_clip: NonNegativeFloat = 0.0  # max global grad norm, 0 = off
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    compile: bool = False
+    # torch.compile: none, the wrapped model, or each block before wrapping (dtlab/compile.py);
+    # true/false mean model/none
+    compile: Literal["none", "model", "blocks"] = "none"
     # recompute activations in the backward: every block (full) or every ac_every-th (selective)
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_every: PositiveInt = 2
@@ -130,6 +133,11 @@ class TrainConfig(Section):
     checkpoint_every: NonNegativeInt = 0  # steps; 0 = no checkpoints (else also one at the end)
     keep_checkpoints: PositiveInt = 2  # the last K complete checkpoints are kept
     nan_policy: Literal["error", "skip"] = "error"  # a non-finite loss or gradient: stop, or skip
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_bool(cls, value: Any) -> Any:
+        return {True: "model", False: "none"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> TrainConfig:

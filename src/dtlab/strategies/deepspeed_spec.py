@@ -39,9 +39,9 @@ def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
         raise ConfigError(
             "checkpoints are not supported with strategy deepspeed (its ZeRO partitions do not map "
             "onto dtlab's DCP checkpoints); fix: set train.checkpoint_every=0 and resume=auto|none")
-    if t.compile:
-        raise ConfigError("train.compile with strategy deepspeed is not supported; "
-                          "fix: set train.compile=false")
+    if t.compile != "none":
+        raise ConfigError(f"train.compile={t.compile} with strategy deepspeed is not supported; "
+                          "fix: set train.compile=none")
     if t.activation_checkpointing != "none":  # ZeRO-3 gathers parameters in its own hooks
         raise ConfigError(
             f"train.activation_checkpointing={t.activation_checkpointing} with strategy deepspeed "

@@ -21,10 +21,11 @@ def has_batch_norm(cfg: Config) -> bool:
 
 
 def validate(cfg: Config) -> None:
-    if cfg.train.compile and has_batch_norm(cfg):
+    if cfg.train.compile != "none" and has_batch_norm(cfg):
         raise ConfigError(
-            f"train.compile with strategy {cfg.strategy.name} fails on BatchNorm models in this "
-            "torch release; fix: set train.compile=false, or use strategy ddp/fsdp1"
+            f"train.compile={cfg.train.compile} with strategy {cfg.strategy.name} fails on "
+            "BatchNorm models in this torch release; fix: set train.compile=none, or use "
+            "strategy ddp/fsdp1"
         )
 
 

@@ -92,8 +92,8 @@ def check_mesh(cfg: Config, world_size: int, degree: int, key: str) -> None:
             f"model.tie_weights with strategy.name={name} is not supported (the embedding and "
             "the head are split differently); fix: set model.tie_weights=false"
         )
-    if t.compile or t.precision == "fp16" or cfg.run.comm_breakdown:
-        what = ("train.compile" if t.compile else
+    if t.compile != "none" or t.precision == "fp16" or cfg.run.comm_breakdown:
+        what = (f"train.compile={t.compile}" if t.compile != "none" else
                 "train.precision=fp16" if t.precision == "fp16" else "run.comm_breakdown")
         raise ConfigError(
             f"{what} is not supported with strategy.name={name}; fix: turn it off "
