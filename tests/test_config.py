@@ -73,6 +73,8 @@ BAD = [
     (["model.name=gpt", "model.n_embd=100", "model.n_head=3"], "model.n_embd=100 is not divisible"),
     (["model.name=gpt", "data.name=cifar10"], "cannot train on data.name=cifar10"),
     (["model.name=resnet", "strategy.name=fsdp", "train.compile=true"], "BatchNorm"),
+    (["run.deterministic=true", "run.cudnn_benchmark=true"],
+     "run.deterministic=true with run.cudnn_benchmark=true: autotuning picks kernels by timing"),
     (["train.compile=layers"], "train.compile: Input should be 'none', 'model' or 'blocks'"),
     (["--nproc-per-node", "2", "--config", "configs/pp_gpt.yaml", "train.compile=blocks"],
      "train.compile=blocks is not supported with strategy.name=pp"),

@@ -168,6 +168,19 @@ def check_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
     return plans
 
 
+def verify_numerics(args: argparse.Namespace) -> list[str]:
+    """--verify on CUDA runs every strategy deterministically (run.deterministic, unless the
+    overrides set it): GPU kernels that pick their reduction order at run time (atomics,
+    autotuning, flash attention's backward) would make even two runs of one strategy differ."""
+    if not args.verify:
+        return []
+    import torch
+
+    cfg = load_config(args.config, args.overrides)
+    uses_cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+    return ["run.deterministic=true"] if uses_cuda else []
+
+
 def compare(args: argparse.Namespace) -> int:
     plans = check_arguments(args)
     ref = registry.REFERENCE
@@ -179,7 +192,8 @@ def compare(args: argparse.Namespace) -> int:
         nproc = spec_ranks(spec, args.nproc_per_node)
         cmd = [sys.executable, "-m", "dtlab", "train", "--nproc-per-node", str(nproc)]
         cmd += ["--config", args.config] if args.config else []
-        cmd += ["resume=none", *args.overrides, *spec_overrides, *extra, f"run.dir={out / label}"]
+        cmd += ["resume=none", *verify_numerics(args), *args.overrides, *spec_overrides, *extra,
+                f"run.dir={out / label}"]
         print(f"== {spec} on {nproc} rank(s)", flush=True)
         clear_run(out / label)
         code = run_train(cmd)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtlab import __version__, files
+from dtlab import __version__, files, numerics
 from dtlab.comm.breakdown import measure
 from dtlab.config import Config
 from dtlab.distributed import DistContext
@@ -58,6 +58,7 @@ def summarize(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> dic
         "data": cfg.data.name,
         "precision": cfg.train.precision,
         "compile": cfg.train.compile,
+        **numerics.settings(cfg.run, ctx.device),
         "optimizer_impl": impl_of(tr.optimizer),
         "global_batch_size": gb,
         "micro_batch_size": tr.micro_batch,

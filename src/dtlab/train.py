@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dtlab import activation_checkpoint, checkpoint, files, interrupt, state
+from dtlab import activation_checkpoint, checkpoint, files, interrupt, numerics, state
 from dtlab.compile import compile_blocks, compiled_forward
 from dtlab.config import (
     Config,
@@ -110,6 +110,7 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
 
 def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
     started = time.perf_counter()
+    numerics.apply(cfg.run, ctx.device)  # before any kernel runs
     tr, train_set, loader, val_loader = build(cfg, ctx)
     strategy, fault = tr.strategy, tr.stepper.fault
     run = RunState(total_steps=total_steps(cfg, loader), steps_per_epoch=loader.steps_per_epoch,

@@ -202,6 +202,20 @@ class RunConfig(Section):
     peak_tflops: PositiveFloat | None = None
     tensorboard: bool = False
     track_samples: bool = False  # count how often each training sample was used (summary.json)
+    # numerics (dtlab/numerics.py): the same bits on every run of a command (GPU), TF32 matmuls
+    # and convolutions (fp32 runs on Ampere and later), cuDNN autotuning (auto: on CUDA unless
+    # deterministic)
+    deterministic: bool = False
+    tf32: bool = False
+    cudnn_benchmark: bool | Literal["auto"] = "auto"
+
+    @model_validator(mode="after")
+    def _deterministic_without_autotuning(self) -> RunConfig:
+        if self.deterministic and self.cudnn_benchmark is True:
+            raise ValueError("run.deterministic=true with run.cudnn_benchmark=true: autotuning "
+                             "picks kernels by timing, so runs differ; fix: set "
+                             "run.cudnn_benchmark=auto or false")
+        return self
 
 
 class Config(Section):
