@@ -20,7 +20,7 @@ from dtlab.errors import RunError
 from dtlab.flops import utilization
 from dtlab.machine_load import timing_record
 from dtlab.metrics import peak_memory, time_stats
-from dtlab.models import build_model, loss_fn
+from dtlab.models import build_model, loss_fn, memory_format
 from dtlab.optim import build_optimizer, impl_of
 from dtlab.run_state import RunState, Training
 from dtlab.strategies import registry
@@ -58,6 +58,7 @@ def summarize(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> dic
         "data": cfg.data.name,
         "precision": cfg.train.precision,
         "compile": cfg.train.compile,
+        "channels_last": memory_format.wanted(cfg.model, ctx.device),
         **numerics.settings(cfg.run, ctx.device),
         "optimizer_impl": impl_of(tr.optimizer),
         "global_batch_size": gb,

@@ -46,7 +46,7 @@ from dtlab.errors import ConfigError, DtlabError, PeerError, RunError
 from dtlab.faults import Fault
 from dtlab.interrupt import Interrupted
 from dtlab.metrics import MetricsLog
-from dtlab.models import build_model, count_params
+from dtlab.models import build_model, count_params, memory_format
 from dtlab.optim import build_scheduler
 from dtlab.run_state import RunState, Training
 from dtlab.run_stop import STOP_DEADLINE_S, last_checkpoint, record_stop, stop_at_boundary
@@ -63,10 +63,12 @@ def build(cfg: Config, ctx: DistContext) -> tuple[Training, Any, TrainLoader, Ev
     # Identical initial weights on every rank, for every strategy (unless the lab switch breaks it).
     torch.manual_seed(cfg.seed + (ctx.rank if cfg.lab.per_rank_init_seed else 0))
     model = build_model(cfg.model, spec)
-    activation_checkpoint.apply(model, t.activation_checkpointing, t.ac_every)  # before wrapping
-    compile_blocks(model, t.compile)  # before wrapping too, after checkpointing
     n_params = count_params(model)
     strategy = registry.build(cfg, ctx)
+    # before wrapping, in this order: the layout, checkpointing, then compiling what it made
+    memory_format.apply(model, cfg.model, ctx.device, weights=not strategy.contiguous_params)
+    activation_checkpoint.apply(model, t.activation_checkpointing, t.ac_every)
+    compile_blocks(model, t.compile)
     model, optimizer = strategy.setup(model)  # the optimizer over the shards this rank owns
     forward = compiled_forward(model, t.compile)
 

@@ -41,6 +41,7 @@ class CNNConfig(Section):
     batch_norm: bool = False
     activation: Literal["relu", "gelu"] = "gelu"
     pool: Literal["max", "avg"] = "avg"
+    channels_last: bool | Literal["auto"] = "auto"  # NHWC weights and inputs; auto = on CUDA
 
 
 class ResNetConfig(Section):
@@ -49,6 +50,7 @@ class ResNetConfig(Section):
     name: Literal["resnet"] = "resnet"
     depth: Literal[18, 34] = 18
     width: PositiveFloat = 1.0
+    channels_last: bool | Literal["auto"] = "auto"  # NHWC weights and inputs; auto = on CUDA
 
 
 class GPTConfig(Section):

@@ -45,6 +45,7 @@ class Strategy:
     wrapper_casts = False  # the wrapper applies mixed precision itself (no autocast on top)
     sharded_grads = False  # gradients are shards: fp16 loss scaling needs ShardedGradScaler
     no_sync_is_local = False  # no_sync() skips every collective (a compute-only step is measurable)
+    contiguous_params = False  # the wrapper takes parameters in the default layout only
 
     def __init__(self, cfg: Config, ctx: DistContext) -> None:
         self.cfg, self.ctx = cfg, ctx

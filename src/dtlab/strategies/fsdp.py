@@ -50,6 +50,7 @@ def without_gradient_sync(model: nn.Module) -> Iterator[None]:
 class FSDP(Strategy):
     wrapper_casts = True  # MixedPrecisionPolicy runs the forward in the low precision
     sharded_grads = True
+    contiguous_params = True  # fully_shard refuses channels_last weights (non-contiguous)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
