@@ -10,8 +10,8 @@ images. dtlab runs `python -m dtlab train strategy.name=single ...` and its summ
 the hand loop is this file (`--hand gpt|resnet`), a nanoGPT-style loop with its own models: a GPT
 with one fused qkv projection, scaled_dot_product_attention and GELU MLPs, and a CIFAR ResNet-18,
 each with exactly dtlab's parameter count (printed), and the best practices a careful user would
-apply: AdamW/SGD fused on CUDA (foreach on CPU), TF32 matmuls, cudnn.benchmark and channels_last
-for the ResNet, set_to_none gradients, no host synchronisation inside the step but the timing one.
+apply: fused AdamW/SGD, TF32 matmuls, cudnn.benchmark and channels_last for the ResNet,
+set_to_none gradients, no host synchronisation inside the step but the timing one.
 
 What is the same on both sides (fairness): the model (architecture, parameter count, init scale),
 batch, optimizer and its hyperparameters, LR schedule and gradient clipping, all read from the same
@@ -153,14 +153,15 @@ class BasicBlock(nn.Module):
         return F.relu(self.body(x) + self.short(x))
 
 
-def hand_resnet18(num_classes: int = 10, width: float = 1.0, in_channels: int = 3) -> nn.Module:
-    """CIFAR ResNet-18: 3x3 stem without max-pool, [2, 2, 2, 2] basic blocks, global pool, fc."""
+def hand_resnet(depth: int, width: float, in_channels: int, num_classes: int) -> nn.Module:
+    """CIFAR ResNet: 3x3 stem without max-pool, four stages of basic blocks, global pool, fc."""
     w = [max(1, round(c * width)) for c in (64, 128, 256, 512)]
     layers: list[nn.Module] = [*conv_bn(in_channels, w[0], 3, 1), nn.ReLU(inplace=True)]
-    for i, c in enumerate(w):
-        layers += [BasicBlock(w[max(0, i - 1)], c, 1 if i == 0 else 2), BasicBlock(c, c, 1)]
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(w[-1],
-                                                                                    num_classes))
+    for i, n in enumerate({18: (2, 2, 2, 2), 34: (3, 4, 6, 3)}[depth]):
+        layers += [BasicBlock(w[max(0, i - 1)], w[i], 1 if i == 0 else 2)]
+        layers += [BasicBlock(w[i], w[i], 1) for _ in range(n - 1)]
+    head = [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(w[-1], num_classes)]
+    return nn.Sequential(*layers, *head)
 
 
 def hand_model(cfg: Any) -> nn.Module:
@@ -169,7 +170,7 @@ def hand_model(cfg: Any) -> nn.Module:
         return HandGPT(m.n_layer, m.n_head, m.n_embd, m.block_size, m.vocab_size, m.bias,
                        m.tie_weights)
     s = cfg.data.synthetic
-    return hand_resnet18(s.num_classes, m.width, s.in_channels)
+    return hand_resnet(m.depth, m.width, s.in_channels, s.num_classes)
 
 
 def n_params(model: nn.Module) -> int:
@@ -206,11 +207,10 @@ def hand_run(workload: str, compiled: bool, args: argparse.Namespace) -> dict[st
         batches = [(torch.empty(shape, device=dev, memory_format=fmt).normal_(),
                     torch.randint(0, s.num_classes, (b,), device=dev)) for _ in range(total)]
     lr = t.lr * (b / t.lr_scale_base_batch if t.lr_scale_base_batch else 1.0)
-    impl = {"fused": True} if cuda else {"foreach": True}
     opt = (torch.optim.AdamW(model.parameters(), lr, betas=t.betas, weight_decay=t.weight_decay,
-                             **impl) if t.optimizer == "adamw" else
+                             fused=True) if t.optimizer == "adamw" else
            torch.optim.SGD(model.parameters(), lr, momentum=t.momentum, nesterov=t.nesterov,
-                           weight_decay=t.weight_decay, **impl))
+                           weight_decay=t.weight_decay, fused=True))
 
     def lr_at(step: int) -> float:  # linear warm-up, then cosine to min_lr_ratio
         if step < t.warmup_steps:
@@ -305,6 +305,10 @@ def per_second(workload: str, smoke: bool, median_step: float) -> float:
             * size(workload, smoke, "model.block_size") / median_step)
 
 
+def fmt_speed(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
 def fmt_mem(b: int | None) -> str:
     return "n/a" if b is None else f"{b / 2**30:.2f} GiB"
 
@@ -317,12 +321,12 @@ def fmt_mfu(pairs: list[dict], side: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default="gpt,resnet")
-    p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--modes", help="eager,compiled (--smoke: eager)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=40, help="timed steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--smoke", action="store_true", help="tiny, CPU, eager, <= 2 repeats")
+    p.add_argument("--smoke", action="store_true", help="tiny, CPU, <= 2 repeats")
     p.add_argument("--json", help="write every measurement to this file")
     p.add_argument("--hand", choices=sorted(WORKLOADS), help=argparse.SUPPRESS)
     p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
@@ -332,9 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(hand_run(args.hand, args.compile, args)))
         return 0
     if args.smoke:
-        args.device, args.modes, args.steps, args.warmup = "cpu", "eager", 3, 2
+        args.device, args.modes, args.steps, args.warmup = "cpu", args.modes or "eager", 3, 2
         args.repeats = min(args.repeats, 2)
-    workloads, modes = args.workloads.split(","), args.modes.split(",")
+    workloads, modes = args.workloads.split(","), (args.modes or ",".join(MODES)).split(",")
     bad = [w for w in workloads if w not in WORKLOADS] + [m for m in modes if m not in MODES]
     if bad:
         print(f"gpu_baseline: error: unknown workload or mode {', '.join(bad)}; fix: choose "
@@ -370,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                    "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
                    "ratio_max": max(ratios)}
         results[f"{workload}/{mode}"] = summary
-        print(f"{workload:8} {mode:9} {speed['dtlab']:10.4g} {speed['hand']:10.4g} "
+        print(f"{workload:8} {mode:9} {fmt_speed(speed['dtlab']):>10} "
+              f"{fmt_speed(speed['hand']):>10} "
               f"{summary['ratio_median']:6.3f}x [{min(ratios):.3f}-{max(ratios):.3f}] "
               f"{fmt_mfu(pairs, 'dtlab'):>9} {fmt_mfu(pairs, 'hand'):>8} "
               f"{fmt_mem(pairs[-1]['dtlab']['peak_allocated_bytes']):>10} "

@@ -28,6 +28,7 @@ def configs(workload: str, *extra: str) -> object:
     ("gpt", ("model.tie_weights=true", "model.bias=false"), 124_373_760),
     ("resnet", (), 11_173_962),  # CIFAR ResNet-18
     ("resnet", ("model.width=0.5",), 2_797_610),
+    ("resnet", ("model.depth=34", "model.width=0.5"), 5_326_506),
 ])
 def test_hand_models_have_dtlabs_parameter_count(workload: str, extra: tuple[str, ...],
                                                  expected: int) -> None:
