@@ -27,6 +27,7 @@ step() { echo "== $*"; "$@"; echo "== exit $?"; }
   step $DT compare $GPT --out "$out/big_bf16" --strategies single,ddp,fsdp,fsdp1 $BIG train.precision=bf16
   # why FSDP2's bf16 step is slower than autocast's at world size 1: the kernels of each mode
   step python3 benchmarks/precision_step.py --profile --json "$out/precision_step.json"
+  step python3 benchmarks/gpu_baseline.py --json "$out/gpu_baseline.json"  # dtlab vs hand-written loops, bf16
   step $DT estimate --world-size 1 --strategies ddp,fsdp --config configs/fsdp_gpt.yaml $BIG train.precision=bf16
   # checkpoint and resume on the GPU (FSDP2 over NCCL): a run stopped at step 30 resumes from step 20
   CK="train.max_steps=40 train.checkpoint_every=20 run.log_every=1"
