@@ -26,7 +26,7 @@ def use_cache() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache/dtlab/inductor"))
 
 
-def compile_blocks(model: nn.Module, mode: str) -> int:
+def compile_blocks(model: nn.Module, mode: str, backend: str = "inductor") -> int:
     """For mode `blocks`, compile each block's forward in place (before wrapping); returns the
     number of blocks compiled."""
     if mode != "blocks":
@@ -34,13 +34,13 @@ def compile_blocks(model: nn.Module, mode: str) -> int:
     use_cache()
     blocks = model.blocks()
     for block in blocks:
-        block.forward = torch.compile(block.forward)
+        block.forward = torch.compile(block.forward, backend=backend)
     return len(blocks)
 
 
-def compiled_forward(model: nn.Module, mode: str) -> nn.Module:
+def compiled_forward(model: nn.Module, mode: str, backend: str = "inductor") -> nn.Module:
     """What the step calls: for mode `model`, the wrapped model compiled as a whole."""
     if mode != "model":
         return model
     use_cache()
-    return torch.compile(model)
+    return torch.compile(model, backend=backend)

@@ -68,9 +68,9 @@ def build(cfg: Config, ctx: DistContext) -> tuple[Training, Any, TrainLoader, Ev
     # before wrapping, in this order: the layout, checkpointing, then compiling what it made
     memory_format.apply(model, cfg.model, ctx.device, weights=not strategy.contiguous_params)
     activation_checkpoint.apply(model, t.activation_checkpointing, t.ac_every)
-    compile_blocks(model, t.compile)
+    compile_blocks(model, t.compile, t.compile_backend)
     model, optimizer = strategy.setup(model)  # the optimizer over the shards this rank owns
-    forward = compiled_forward(model, t.compile)
+    forward = compiled_forward(model, t.compile, t.compile_backend)
 
     # Batches are dealt to data-parallel replicas (all ranks of one replica see the same samples);
     # without a distributed sampler every rank draws the whole data set's batches itself.

@@ -128,6 +128,9 @@ class TrainConfig(Section):
     # torch.compile: none, the wrapped model, or each block before wrapping (dtlab/compile.py);
     # true/false mean model/none
     compile: Literal["none", "model", "blocks"] = "none"
+    # torch.compile's backend (torchtitan's compile.backend): aot_eager traces without inductor's
+    # code generation, to tell a tracing problem from a generated-kernel one
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     # recompute activations in the backward: every block (full) or every ac_every-th (selective)
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_every: PositiveInt = 2
