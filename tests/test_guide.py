@@ -251,6 +251,22 @@ def check_model_parallel(w: Path, out: dict[str, str]) -> None:
         out, "n_head=3")
 
 
+def check_levers(w: Path, out: dict[str, str]) -> None:
+    runs = {r: summary(w, f"runs/guide/levers/{r}") for r in ("none", "full", "blocks", "for-loop")}
+    ref = runs["none"]["final_train_loss"]
+    assert ref == pytest.approx(4.11087, rel=LOSS_REL)
+    # recomputation and tracing run eager's kernels: the same bits; for_loop rounds otherwise
+    assert runs["full"]["final_train_loss"] == runs["blocks"]["final_train_loss"] == ref
+    assert abs(runs["for-loop"]["final_train_loss"] - ref) / ref < PARITY
+    model = {r: s["flops_per_step"] for r, s in runs.items()}
+    assert set(model.values()) == {10871635968}  # counts of shapes: exact
+    assert {r: s["hardware_flops_per_step"] for r, s in runs.items()} == {
+        "none": 10871635968, "full": 13287555072, "blocks": 12079595520,
+        "for-loop": 10871635968}
+    assert [runs[r]["optimizer_impl"] for r in runs] == ["fused", "fused", "fused", "for_loop"]
+    assert (runs["blocks"]["compile"], runs["for-loop"]["deterministic"]) == ("blocks", True)
+
+
 CHECKS: dict[str, Callable[[Path, dict[str, str]], None]] = {
     "02-ddp.md": check_ddp,
     "03-fsdp.md": check_fsdp,
@@ -259,6 +275,7 @@ CHECKS: dict[str, Callable[[Path, dict[str, str]], None]] = {
     "06-multi-node.md": check_multi_node,
     "07-communication.md": check_communication,
     "08-failure-modes.md": check_failure_modes,
+    "09-levers.md": check_levers,
 }
 
 
