@@ -85,3 +85,27 @@ def test_deepspeed_refuses_it_in_one_line() -> None:
         "dtlab: error: train.activation_checkpointing=full with strategy deepspeed is not "
         "supported (DeepSpeed recomputes through its own deepspeed.checkpointing API); fix: set "
         "train.activation_checkpointing=none"]
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_estimate_takes_the_configs_checkpointing(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dtlab estimate --config` counts what the config's train.activation_checkpointing keeps
+    (selective: blocks 1 and 3 of 4), to the byte of what autograd keeps for that run's micro
+    batch (fsdp_gpt.yaml on 1 rank: 32 samples)."""
+    import json
+
+    monkeypatch.syspath_prepend(ROOT / "benchmarks")
+    from activation_memory import saved_bytes
+
+    proc = dtlab("estimate", "--config", GPT, "--world-size", "1", "--strategies", "fsdp",
+                 f"train.activation_checkpointing={mode}", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["setup"]["checkpointing"] == {"none": False, "selective": [1, 3], "full": True}[mode]
+    cfg = load_config(GPT, [])
+    spec = spec_for(cfg)
+    torch.manual_seed(0)
+    x = torch.randint(0, spec.vocab_size, (32, spec.seq_len))
+    model = build_model(cfg.model, spec)
+    activation_checkpoint.apply(model, mode, cfg.train.ac_every)
+    assert out["rows"][0]["activations"]["saved"] == saved_bytes(model, x, x, "fp32")

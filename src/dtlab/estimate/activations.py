@@ -44,18 +44,31 @@ class Activations:
     peak: float  # the most alive at once during backward (saved + gradients in flight)
 
 
-def walk(segments: list[Segment], checkpoint: bool) -> Activations:
-    kept = {s.name: (s.input_bytes if checkpoint and s.block else s.saved) for s in segments}
-    live = sum(kept.values())
-    cached = sum(op.casts for s in segments if checkpoint and s.block for op in s.ops)
+def recomputed(segments: list[Segment], checkpoint: bool | tuple[int, ...]) -> list[bool]:
+    """Per segment, whether it is checkpointed: every block (True), none (False), or the blocks
+    at these indices (counting blocks only: train.activation_checkpointing=selective)."""
+    block_index = -1
+    flags = []
+    for s in segments:
+        block_index += s.block
+        flags.append(s.block and (checkpoint if isinstance(checkpoint, bool)
+                                  else block_index in checkpoint))
+    return flags
+
+
+def walk(segments: list[Segment], checkpoint: bool | tuple[int, ...]) -> Activations:
+    ck = recomputed(segments, checkpoint)
+    kept = [s.input_bytes if c else s.saved for s, c in zip(segments, ck, strict=True)]
+    live = sum(kept)
+    cached = sum(op.casts for s, c in zip(segments, ck, strict=True) if c for op in s.ops)
     peak = live + cached  # the end of forward
-    for seg in reversed(segments):
-        if checkpoint and seg.block:  # recomputing saves everything again, the input included
+    for seg, c in reversed(list(zip(segments, ck, strict=True))):
+        if c:  # recomputing saves everything again, the input included
             live += seg.saved - seg.input_bytes
         for op in reversed(seg.ops):
             peak = max(peak, live + op.grad_out + op.grad_in + op.extra)
             live -= op.saved
-    return Activations(sum(kept.values()), peak)
+    return Activations(sum(kept), peak)
 
 
 def elem_sizes(mode: str) -> tuple[int, int, int]:

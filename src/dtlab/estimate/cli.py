@@ -115,7 +115,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab", default="32000", metavar="TOKENS",
                    help="vocabulary size in tokens, with --n-params")
     g.add_argument("--checkpointing", action="store_true",
-                   help="activation checkpointing of every block (the totals use it)")
+                   help="activation checkpointing of every block (the totals use it; "
+                        "--config: also its train.activation_checkpointing)")
     c = p.add_argument_group("communication time (optional)")
     for flag, metavar, text in (
         ("--bandwidth", "GB/s", "per-link bandwidth inside a node in GB/s, used everywhere "
@@ -185,8 +186,20 @@ def build_setup(args: argparse.Namespace, world: int) -> Any:
         links = Links(args.bandwidth * GB, inter * GB if inter else None,
                       source=f"{args.bandwidth:g} GB/s per link"
                       + (f", {inter:g} GB/s between nodes" if inter else ""))
+    checkpointing = args.checkpointing or (config_checkpointing(model) if args.config else False)
     return core.Setup(model, world, ranks_per_node, precision, optimizer, micro,
-                      args.checkpointing, links, backend)
+                      checkpointing, links, backend)
+
+
+def config_checkpointing(model: Any) -> bool | tuple[int, ...]:
+    """The blocks a config's train.activation_checkpointing recomputes (full: all)."""
+    from dtlab.activation_checkpoint import chosen_blocks
+
+    t = model.cfg.train
+    if t.activation_checkpointing != "selective" or model.segments is None:
+        return t.activation_checkpointing == "full"
+    n_blocks = sum(s.block for s in model.segments(1, "fp32"))
+    return tuple(chosen_blocks(n_blocks, "selective", t.ac_every))
 
 
 def config_batch(args: argparse.Namespace, model: Any, world: int, ranks_per_node: int) -> Any:

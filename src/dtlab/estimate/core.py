@@ -119,7 +119,7 @@ class Setup:
     precision: Precision
     optimizer: str
     micro: int = 1
-    checkpointing: bool = False
+    checkpointing: bool | tuple[int, ...] = False  # every block, none, or these blocks
     links: comm.Links | None = None
     backend: str = "nccl"  # gloo runs reduce-scatter as an all-reduce (comm.collectives)
 
@@ -216,4 +216,10 @@ def describe(setup: Setup) -> str:
             f"{setup.optimizer} ({OPTIMIZER_BYTES[setup.optimizer]} B/param of state), "
             f"{p.name} (weights {p.weight} B, grads {p.grad} B, master {p.master} B), "
             f"micro batch {setup.micro}, {setup.backend}, activation checkpointing "
-            f"{'on' if setup.checkpointing else 'off'}")
+            f"{checkpointing_text(setup.checkpointing)}")
+
+
+def checkpointing_text(checkpointing: bool | tuple[int, ...]) -> str:
+    if isinstance(checkpointing, bool):
+        return "on" if checkpointing else "off"
+    return f"on blocks {', '.join(str(i) for i in checkpointing)}" if checkpointing else "off"
