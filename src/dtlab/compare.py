@@ -186,13 +186,14 @@ def compare(args: argparse.Namespace) -> int:
     ref = registry.REFERENCE
     out = Path(args.out)
     extra = ["run.progress=false"] + (["run.log_every=1", "run.save_model=true"] if args.verify else [])
+    numerics = verify_numerics(args)  # before the overrides: an explicit setting wins
     rows, failed, results = [], [], {}
     for spec, spec_overrides in plans.items():
         label = run_label(spec)
         nproc = spec_ranks(spec, args.nproc_per_node)
         cmd = [sys.executable, "-m", "dtlab", "train", "--nproc-per-node", str(nproc)]
         cmd += ["--config", args.config] if args.config else []
-        cmd += ["resume=none", *verify_numerics(args), *args.overrides, *spec_overrides, *extra,
+        cmd += ["resume=none", *numerics, *args.overrides, *spec_overrides, *extra,
                 f"run.dir={out / label}"]
         print(f"== {spec} on {nproc} rank(s)", flush=True)
         clear_run(out / label)

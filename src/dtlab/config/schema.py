@@ -142,7 +142,7 @@ class TrainConfig(Section):
     @field_validator("compile", mode="before")
     @classmethod
     def _compile_bool(cls, value: Any) -> Any:
-        return {True: "model", False: "none"}.get(value, value) if isinstance(value, bool) else value
+        return ("model" if value else "none") if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> TrainConfig:
