@@ -317,7 +317,7 @@ COST = {"slurm": 105, "test_signals": 80, "guide-03-fsdp.md": 72, "guide-08-fail
         "test_train_features": 37, "guide-04-zero.md": 36, "test_launch": 35, "test_ddp_hooks": 30,
         "guide-07-communication.md": 27, "sweep": 26, "test_model_parallel": 25, "test_estimate": 20,
         "test_parity": 15, "test_faults": 10, "test_doctor": 10, "test_hsdp": 6, "test_config": 6,
-        "test_results": 5, "test_bad_inputs": 5, "test_optimizer_impl": 10, "test_activation_checkpoint": 30, "test_flops": 8, "test_compile": 10, "test_numerics": 6, "test_channels_last": 15, "test_gpu_baseline": 8, "guide-01-single.md": 4, "guide-09-levers.md": 20, "test_data": 4}
+        "test_results": 5, "test_bad_inputs": 5, "test_optimizer_impl": 10, "test_activation_checkpoint": 30, "test_flops": 8, "test_compile": 10, "test_numerics": 6, "test_channels_last": 15, "test_gpu_baseline": 8, "guide-01-single.md": 4, "guide-09-levers.md": 27, "test_data": 4}
 
 
 @pytest.hookimpl(tryfirst=True)
