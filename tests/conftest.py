@@ -308,16 +308,20 @@ def local_sweep(session_dir: Path) -> tuple[Path, subprocess.CompletedProcess[st
 # fixtures run once), the tests sharing the local sweep, the tests that start the local SLURM
 # cluster; each guide chapter is its own group, so chapters spread over both workers.
 GROUPS = {"test_report_browser": "sweep", "test_sweep": "sweep", "test_slurm": "slurm"}
-# Seconds a group takes on one core (measured; --durations), heaviest first: with
+# Seconds a group takes on one core (measured 2026-11-23; slurm: with installing SLURM on a fresh
+# machine), heaviest first: with
 # --no-loadscope-reorder xdist hands out groups in collection order, each to the worker that
 # runs out of work first, so the long ones start first and the short ones fill both workers
 # up to the end (xdist's default order, by test count, would start the one-test chapters last).
-COST = {"slurm": 105, "test_signals": 80, "guide-03-fsdp.md": 72, "guide-08-failure-modes.md": 70,
-        "test_zero": 64, "guide-02-ddp.md": 62, "test_reliability": 52, "guide-05-model-parallel.md": 50,
-        "test_train_features": 37, "guide-04-zero.md": 36, "test_launch": 35, "test_ddp_hooks": 30,
-        "guide-07-communication.md": 27, "sweep": 26, "test_model_parallel": 25, "test_estimate": 20,
-        "test_parity": 15, "test_faults": 10, "test_doctor": 10, "test_hsdp": 6, "test_config": 6,
-        "test_results": 5, "test_bad_inputs": 5, "test_optimizer_impl": 10, "test_activation_checkpoint": 30, "test_flops": 8, "test_compile": 10, "test_numerics": 6, "test_channels_last": 15, "test_gpu_baseline": 8, "guide-01-single.md": 4, "guide-09-levers.md": 27, "test_data": 4}
+COST = {"slurm": 105, "test_signals": 82, "guide-08-failure-modes.md": 61, "guide-02-ddp.md": 56,
+        "test_reliability": 51, "guide-03-fsdp.md": 48, "test_zero": 47,
+        "guide-05-model-parallel.md": 43, "test_train_features": 34, "test_launch": 32,
+        "test_ddp_hooks": 29, "guide-04-zero.md": 27, "guide-07-communication.md": 26,
+        "test_model_parallel": 25, "sweep": 22, "test_estimate": 21, "guide-09-levers.md": 21,
+        "test_activation_checkpoint": 19, "test_parity": 15, "test_faults": 9, "test_doctor": 8,
+        "test_optimizer_impl": 8, "test_hsdp": 7, "test_config": 7, "test_bad_inputs": 7,
+        "test_channels_last": 6, "test_results": 5, "guide-01-single.md": 4, "test_compile": 4,
+        "test_grad_norm": 4, "test_text": 8}
 
 
 @pytest.hookimpl(tryfirst=True)

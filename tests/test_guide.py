@@ -199,9 +199,9 @@ def check_fsdp(w: Path, out: dict[str, str]) -> None:
             ("fsdp/ddp", "fsdp/fsdp", "fsdp/fsdp1", "fsdp/fsdp1-SHARD_GRAD_OP", "fsdp-bf16",
              "fsdp1-one-unit")}
     assert {run: (c["calls_per_step"], c["payload_bytes_per_step"]) for run, c in comm.items()} == {
-        "fsdp/ddp": (1, 3466240), "fsdp/fsdp": (16, 10398980), "fsdp/fsdp1": (15, 10102784),
-        "fsdp/fsdp1-SHARD_GRAD_OP": (11, 6932480), "fsdp-bf16": (16, 6932740),
-        "fsdp1-one-unit": (3, 6932480)}
+        "fsdp/ddp": (1, 3466240), "fsdp/fsdp": (16, 10398724), "fsdp/fsdp1": (15, 10102788),
+        "fsdp/fsdp1-SHARD_GRAD_OP": (11, 6932484), "fsdp-bf16": (16, 6932484),
+        "fsdp1-one-unit": (3, 6932484)}
     bf16 = summary(w, "runs/guide/fsdp-bf16")
     assert bf16["memory_per_rank"]["param_bytes"] == [1733120, 1733120]
     fp32 = rows["fsdp"]["final_loss"]

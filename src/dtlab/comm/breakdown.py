@@ -59,10 +59,11 @@ def comm_calls(events: Any, n: int) -> tuple[list[dict[str, Any]], float]:
         if not name.startswith(("gloo:", "nccl:")):
             continue
         op = name.split(":", 1)[1]
-        shape = (e.shapes() or [[]])[0]
-        elem = DTYPE_BYTES.get((e.dtypes() or ["float"])[0], 4)
+        shapes, dtypes = e.shapes(), e.dtypes()
+        elem = DTYPE_BYTES.get(dtypes[0] if dtypes else "float", 4)
         gathered = "all_gather" in op or "allgather" in op  # the shape is this rank's part
-        payload = math.prod(shape) * elem * (n if gathered else 1) if shape else 0
+        # a 0-dim tensor (shape []) is one element; an op without a tensor (a barrier) moves none
+        payload = math.prod(shapes[0]) * elem * (n if gathered else 1) if shapes and dtypes else 0
         calls.append({"op": op, "payload_bytes": payload, "seconds": e.duration_ns() * 1e-9,
                       "start": e.start_ns()})
     return calls, kernel_s

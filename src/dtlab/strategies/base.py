@@ -27,6 +27,7 @@ from dtlab.distributed import DistContext
 from dtlab.metrics import state_bytes
 from dtlab.models import loss_fn
 from dtlab.optim import build_optimizer
+from dtlab.strategies import grad_norm
 
 # Called on each micro batch's loss: returns (the loss to report, the tensor to backpropagate),
 # after dividing by the accumulation steps, injecting test faults and scaling for fp16.
@@ -112,11 +113,18 @@ class Strategy:
     def grad_norm(self, model: nn.Module, clip: float = 0.0) -> torch.Tensor:
         """The global gradient norm, the same on every rank, clipping the gradients to `clip`
         when it is > 0. Replicated gradients: a local computation; DTensor gradients (FSDP2,
-        TP): the DTensor's full value reduces over the shards."""
+        HSDP, TP): summed from the local shards (strategies/grad_norm.py), or as DTensors when
+        a layout mixes in Partial placements or plain tensors."""
         params = [p for p in model.parameters() if p.grad is not None]
         if not params:
             return torch.zeros(())
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        grads = [p.grad for p in params]
+        if grad_norm.local_layout(grads):  # the same number without DTensor's dispatch
+            norm = grad_norm.total_norm(grads)
+            if clip:
+                grad_norm.clip_(grads, clip, norm)
+            return norm
+        norm = torch.nn.utils.get_total_norm(grads)
         if clip:  # with the norm as computed: a DTensor scales DTensor gradients
             torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
         return full_value(norm)
