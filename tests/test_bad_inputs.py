@@ -223,7 +223,13 @@ CASES = [
     ("an empty token file is refused", "train {gpt} data.dir=bad/tokens_empty",
      "bad/tokens_empty/train.bin is empty"),
     ("a token file of an odd byte count is refused", "train {gpt} data.dir=bad/tokens_odd",
-     "bad/tokens_odd/train.bin has an odd number of bytes"),
+     "bad/tokens_odd/train.bin is not a whole number of uint16 tokens (3 bytes)"),
+    ("a uint32 token file of 6 bytes is refused", "train {gpt} data.dir=bad/tokens_uint32_6",
+     "bad/tokens_uint32_6/train.bin is not a whole number of uint32 tokens (6 bytes)"),
+    ("a token dtype other than uint16/uint32 is refused",
+     "train {gpt} data.dir=bad/tokens_meta_int8",
+     "bad/tokens_meta_int8/meta.json is not a JSON object with a positive whole vocab_size and a "
+     "dtype of uint16 or uint32"),
     ("a token directory without train.bin is refused", "train {gpt} data.dir=bad/no_tokens",
      "token file bad/no_tokens/train.bin not found"),
     ("a missing token directory is refused", "train {gpt} data.dir=bad/absent_dir",
@@ -653,12 +659,15 @@ FILES = {  # bad/NAME: content
     "tokens_meta_text/meta.json": b"{vocab_size: 256",
     "tokens_meta_list/meta.json": b"[256]",
     "tokens_meta_negative/meta.json": b'{"vocab_size": -1}',
+    "tokens_meta_int8/meta.json": b'{"vocab_size": 256, "dtype": "int8"}',
+    "tokens_uint32_6/meta.json": b'{"vocab_size": 256, "dtype": "uint32"}',
+    "tokens_uint32_6/train.bin": bytes(6),
     "tokens_short/train.bin": np.arange(10, dtype=np.uint16).tobytes(),
     "tokens_big_ids/train.bin": np.arange(300, dtype=np.uint16).tobytes(),
     "tokens_no_val/train.bin": np.arange(200, dtype=np.uint16).tobytes(),
 }
 for _name in ("tokens_meta_text", "tokens_meta_list", "tokens_meta_negative", "tokens_short",
-              "tokens_big_ids"):
+              "tokens_big_ids", "tokens_meta_int8", "tokens_uint32_6"):
     FILES.setdefault(f"{_name}/train.bin", np.arange(200, dtype=np.uint16).tobytes())
     FILES[f"{_name}/val.bin"] = np.arange(200, dtype=np.uint16).tobytes()
 

@@ -183,8 +183,9 @@ UNUSABLE = {  # overrides ({file}: a file, {tmp}: an empty directory) -> the mes
         ["data.name=mnist", "data.download=true", "data.dir={file}/d"],
         "data.dir '{file}/d' is inside '{file}', which is a file, not a directory; " + FIX),
     "token files missing": (["model.name=gpt", "data.name=tokens", "data.dir={tmp}"],
-                            "token file {tmp}/train.bin not found; fix: write train.bin (uint16 "
-                            "token ids) into data.dir"),
+                            "token file {tmp}/train.bin not found; fix: write it with `dtlab "
+                            "prepare TEXT --out {tmp}`, or point data.dir at a directory holding "
+                            "train.bin"),
 }
 
 

@@ -1,5 +1,5 @@
 """`dtlab` command line: train, compare, sweep, collect, plot, report, comm, estimate, advise,
-export, config, doctor.
+export, prepare, sample, config, doctor.
 
 Bad input ends with one line on stderr and exit code 2. torch is imported only when work starts,
 so configuration mistakes are reported at once.
@@ -234,6 +234,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="model.safetensors", metavar="FILE",
                    help="safetensors file to write")
     p.set_defaults(func=cmd_export)
+
+    from dtlab.text_cli import add_prepare_arguments, add_sample_arguments, cmd_prepare, cmd_sample
+
+    p = sub.add_parser("prepare", help="text files -> train.bin/val.bin token data (data.name=tokens)")
+    add_prepare_arguments(p)
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("sample", help="generate text from a trained GPT run or checkpoint")
+    add_sample_arguments(p)
+    p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("config", help="print the resolved config (or --keys: every valid key)")
     p.add_argument("--config", metavar="FILE",

@@ -1,0 +1,203 @@
+"""`dtlab prepare INPUT... --out DIR`: text -> `train.bin`, `val.bin` and `meta.json`, the token
+directory `data.name=tokens` reads (nanoGPT's layout: flat arrays of token ids).
+
+Inputs: .txt/.md files (one document each), .jsonl (one document per line, its `--text-field`),
+.parquet (that column; needs pyarrow), directories of those, or the name of a Hugging Face
+dataset when the `datasets` package and the network are there. Every document is encoded, followed
+by the tokenizer's end-of-text token when it has one; the last `--val-fraction` of the token stream
+is the validation split, as nanoGPT splits it. Large inputs are encoded by `--workers` processes,
+in input order (the output does not depend on the worker count). The files appear whole or not at
+all: they are written next to their final names and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Iterator
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dtlab import tokenizer as tokenizers
+from dtlab.errors import ConfigError, DataError
+
+TEXT_SUFFIXES = {".txt", ".md", ".text"}
+SUFFIXES = TEXT_SUFFIXES | {".jsonl", ".parquet"}
+CHUNK_CHARS = 1 << 20  # documents go to the workers in chunks of about 1 MB of text
+POOL_FROM_BYTES = 4 << 20  # smaller inputs are encoded in this process
+
+
+def input_files(inputs: list[str]) -> list[Path | str]:
+    """Files in the order given (a directory: its files with known suffixes, sorted); a name that
+    is not a path is a Hugging Face dataset."""
+    found: list[Path | str] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            inside = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+            if not inside:
+                raise DataError(f"{path} holds no .txt, .md, .jsonl or .parquet file; fix: pass "
+                                "the files themselves or a directory that has some")
+            found += inside
+        elif path.is_file():
+            if path.suffix not in SUFFIXES:
+                raise DataError(f"{path}: unknown kind of file '{path.suffix}'; fix: pass .txt, "
+                                ".md, .jsonl or .parquet files")
+            found.append(path)
+        elif "/" in item and not item.startswith((".", "/")) and not path.parent.exists():
+            found.append(item)  # owner/name: a dataset on the hub
+        else:
+            raise DataError(f"{item} not found; fix: pass text files, a directory of them, or "
+                            "a Hugging Face dataset name such as roneneldan/TinyStories")
+    return found
+
+
+def documents(source: Path | str, text_field: str) -> Iterator[str]:
+    if isinstance(source, str):
+        yield from _hub_documents(source, text_field)
+    elif source.suffix == ".jsonl":
+        with open(source, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    text = record[text_field]
+                except (ValueError, KeyError, TypeError):
+                    raise DataError(f"{source}:{n} is not a JSON object with a '{text_field}' "
+                                    "string; fix: repair the line, or name the field with "
+                                    "--text-field") from None
+                yield str(text)
+    elif source.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ConfigError(f"{source}: reading parquet needs pyarrow; fix: pip install "
+                              "pyarrow, or convert the file to .jsonl") from None
+        table = pq.read_table(source, columns=[text_field])
+        yield from (str(t) for t in table.column(text_field).to_pylist())
+    else:
+        try:
+            yield source.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{source} is not UTF-8 text (byte {e.start}); fix: convert it, "
+                            "e.g. iconv -t utf-8") from None
+
+
+def _hub_documents(name: str, text_field: str) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"{name}: a Hugging Face dataset needs the `datasets` package; fix: pip "
+                          "install 'dtlab[hf]', or pass local text files") from None
+    try:
+        data = datasets.load_dataset(name, split="train", streaming=True)
+    except Exception as e:  # offline, unknown name, private: the library's own exception types
+        raise DataError(f"could not load the dataset {name} ({type(e).__name__}); fix: check "
+                        "the name and the network, or pass local text files") from None
+    for record in data:
+        yield str(record[text_field])
+
+
+def _chunks(sources: list[Path | str], text_field: str) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    size = 0
+    for source in sources:
+        for doc in documents(source, text_field):
+            chunk.append(doc)
+            size += len(doc)
+            if size >= CHUNK_CHARS:
+                yield chunk
+                chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+_worker_tokenizer: tokenizers.Tokenizer | None = None
+
+
+def _start_worker(name: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizers.load(name)
+
+
+def _encode(chunk: list[str]) -> tuple[list[int], int, int]:
+    """The chunk's token ids, its UTF-8 bytes (for the progress bar) and its documents."""
+    tok = _worker_tokenizer
+    assert tok is not None
+    ids: list[int] = []
+    for doc in chunk:
+        ids += tok.encode(doc)
+        if tok.eos is not None:
+            ids.append(tok.eos)
+    return ids, sum(len(d.encode("utf-8")) for d in chunk), len(chunk)
+
+
+def prepare(inputs: list[str], out: Path, tokenizer: str = "bytes", val_fraction: float = 0.1,
+            text_field: str = "text", workers: int = 0) -> dict[str, Any]:
+    """Tokenize `inputs` into OUT/{train,val}.bin and OUT/meta.json; returns meta.json's content."""
+    sources = input_files(inputs)
+    tok = tokenizers.load(tokenizer)
+    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+    local = [s for s in sources if isinstance(s, Path)]
+    size = sum(s.stat().st_size for s in local)
+    workers = workers or min(8, len(os.sched_getaffinity(0)))
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".tokens.tmp"
+    bar = _bar(size if len(local) == len(sources) else None)
+    total = docs = 0
+    try:
+        with open(tmp, "wb") as f:
+            pool = None
+            if workers > 1 and (size >= POOL_FROM_BYTES or len(local) < len(sources)):
+                pool = get_context("spawn").Pool(workers, _start_worker, (tokenizer,))
+                encoded = pool.imap(_encode, _chunks(sources, text_field))
+            else:
+                _start_worker(tokenizer)
+                encoded = map(_encode, _chunks(sources, text_field))
+            try:
+                for ids, n_bytes, n_docs in encoded:
+                    f.write(np.asarray(ids, dtype=dtype).tobytes())
+                    total += len(ids)
+                    docs += n_docs
+                    if bar is not None:
+                        bar.update(n_bytes)
+            finally:
+                if pool is not None:
+                    pool.terminate()
+        meta = _split(tmp, out, dtype, total, val_fraction)
+    finally:
+        tmp.unlink(missing_ok=True)
+        if bar is not None:
+            bar.close()
+    meta.update(vocab_size=tok.vocab_size, dtype=np.dtype(dtype).name, tokenizer=tok.spec(),
+                eos=tok.eos, documents=docs, sources=[str(s) for s in sources])
+    (out / "meta.json.tmp").write_text(json.dumps(meta, indent=1) + "\n")
+    os.replace(out / "meta.json.tmp", out / "meta.json")
+    return meta
+
+
+def _split(tmp: Path, out: Path, dtype: type, total: int, val_fraction: float) -> dict[str, Any]:
+    val = math.ceil(total * val_fraction)
+    if total == 0 or val == 0 or val == total:
+        raise DataError(f"the inputs give {total} tokens, too few for a train and a validation "
+                        f"split at --val-fraction {val_fraction}; fix: add text")
+    tokens = np.memmap(tmp, dtype=dtype, mode="r")
+    for name, part in (("train", tokens[: total - val]), ("val", tokens[total - val :])):
+        part.tofile(out / f"{name}.bin.tmp")
+    for name in ("train", "val"):
+        os.replace(out / f"{name}.bin.tmp", out / f"{name}.bin")
+    return {"tokens": {"train": total - val, "val": val}}
+
+
+def _bar(total_bytes: int | None) -> Any:
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr)

@@ -1,0 +1,102 @@
+"""`dtlab sample SOURCE --prompt TEXT --tokens N`: text from a trained GPT, to see what it learned.
+
+SOURCE is a run directory (its `model.safetensors` when the run saved one, else its newest
+checkpoint that verifies) or a checkpoint directory. The prompt is encoded, and the output
+decoded, with the tokenizer its token data was prepared with (the data directory's meta.json:
+`dtlab prepare`); without one (synthetic tokens) the prompt is a list of token ids and the output
+is printed as ids. Sampling: temperature and top-k, on the CPU, from a seeded generator (the same
+command prints the same text).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dtlab import tokenizer as tokenizers
+from dtlab.errors import DtlabError
+
+
+def load(source: Path) -> tuple[Any, Any]:
+    """(config, model in eval mode) of a run or checkpoint directory."""
+    from dtlab.checkpoint import dcp_load, newest_verified, verify
+    from dtlab.config import Config, load_config
+    from dtlab.data import spec_for
+    from dtlab.models import build_model
+
+    if (source / "dtlab-checkpoint.json").is_file():
+        checkpoint: Path | None = source
+        cfg = Config.model_validate(verify(source)["config"])
+    elif (source / "config.yaml").is_file():
+        cfg = load_config(source / "config.yaml")
+        checkpoint = None if (source / "model.safetensors").is_file() else newest_verified(source)
+        if checkpoint is None and not (source / "model.safetensors").is_file():
+            raise DtlabError(f"{source} holds no model.safetensors and no checkpoint; fix: train "
+                             "with run.save_model=true or train.checkpoint_every=N")
+    else:
+        raise DtlabError(f"{source} is neither a run directory (config.yaml) nor a checkpoint "
+                         "(dtlab-checkpoint.json); fix: pass RUN_DIR or RUN_DIR/checkpoints/step_N")
+    if cfg.model.name != "gpt":
+        raise DtlabError(f"{source} holds a {cfg.model.name} model, which does not generate text; "
+                         "fix: sample from a run of model.name=gpt")
+    model = build_model(cfg.model, spec_for(cfg))
+    state = model.state_dict()
+    if checkpoint is not None:
+        dcp_load({"model": state}, checkpoint)
+    else:
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(str(source / "model.safetensors")))
+    return cfg, model.eval()
+
+
+def prompt_ids(cfg: Any, tok: tokenizers.Tokenizer | None, prompt: str) -> list[int]:
+    if tok is not None:
+        ids = tok.encode(prompt)
+    else:
+        try:
+            ids = [int(x) for x in prompt.replace(",", " ").split()]
+        except ValueError:
+            raise DtlabError(f"--prompt {prompt!r}: this run trained on data without a tokenizer "
+                             "(synthetic tokens), so the prompt is token ids; fix: --prompt "
+                             "'1 2 3', or train on `dtlab prepare`d text") from None
+    if not ids:
+        raise DtlabError("--prompt is empty after encoding; fix: give at least one character")
+    if max(ids) >= cfg.model.vocab_size:
+        raise DtlabError(f"--prompt holds token id {max(ids)}, beyond the model's vocabulary of "
+                         f"{cfg.model.vocab_size}; fix: use ids below it")
+    return ids
+
+
+def generate(model: Any, ids: list[int], tokens: int, block_size: int, temperature: float,
+             top_k: int, seed: int) -> list[int]:
+    """`tokens` new ids after `ids`: each from the softmax of the last position's logits over
+    temperature, restricted to the top_k most likely (0 = all); temperature 0 = the most likely."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.tensor([ids], dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(tokens):
+            logits = model(seq[:, -block_size:])[0, -1].float()
+            if temperature == 0:
+                nxt = logits.argmax().view(1)
+            else:
+                logits = logits / temperature
+                if 0 < top_k < logits.numel():
+                    logits[logits < torch.topk(logits, top_k).values[-1]] = -float("inf")
+                nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=g)
+            seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
+    return seq[0, len(ids):].tolist()
+
+
+def sample(source: Path, prompt: str, tokens: int, temperature: float, top_k: int, seed: int,
+           samples: int) -> list[str]:
+    cfg, model = load(source)
+    tok = tokenizers.from_meta(Path(cfg.data.dir)) if cfg.data.name == "tokens" else None
+    ids = prompt_ids(cfg, tok, prompt)
+    out = []
+    for i in range(samples):
+        new = generate(model, ids, tokens, cfg.model.block_size, temperature, top_k, seed + i)
+        out.append(prompt + tok.decode(new) if tok is not None else " ".join(map(str, ids + new)))
+    return out
