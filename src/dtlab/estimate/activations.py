@@ -11,6 +11,7 @@ default), the batch, allocator overhead. The details: docs/memory.md.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from dtlab.errors import DtlabError
@@ -47,13 +48,9 @@ class Activations:
 def recomputed(segments: list[Segment], checkpoint: bool | tuple[int, ...]) -> list[bool]:
     """Per segment, whether it is checkpointed: every block (True), none (False), or the blocks
     at these indices (counting blocks only: train.activation_checkpointing=selective)."""
-    block_index = -1
-    flags = []
-    for s in segments:
-        block_index += s.block
-        flags.append(s.block and (checkpoint if isinstance(checkpoint, bool)
-                                  else block_index in checkpoint))
-    return flags
+    blocks = itertools.accumulate(s.block for s in segments)  # blocks up to and including s
+    return [s.block and (checkpoint if isinstance(checkpoint, bool) else b - 1 in checkpoint)
+            for s, b in zip(segments, blocks, strict=True)]
 
 
 def walk(segments: list[Segment], checkpoint: bool | tuple[int, ...]) -> Activations:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtlab.cli_args import input_file
 from dtlab.comm.model import fit, predict, ring_terms
 from dtlab.errors import DtlabError
 from dtlab.estimate.memory import Kind, Plan, Precision
@@ -109,11 +110,9 @@ class Links:
 
 def load_comm_results(path: Path) -> Links:
     """A `dtlab comm --json` or `--csv` file -> its alpha-beta fit (dtlab.comm.model.fit)."""
-    if not path.is_file():
-        raise DtlabError(f"--comm-results '{path}' not found; fix: measure with "
-                         f"dtlab comm --op all --json {path}")
-    text = path.read_text()
+    input_file("--comm-results", path, f"measure with dtlab comm --op all --json {path}")
     try:
+        text = path.read_text()  # a binary file: UnicodeDecodeError, a ValueError
         rows: Any = json.loads(text) if path.suffix != ".csv" else [
             {"op": r["op"], "world_size": int(r["world_size"]), "size_bytes": float(r["size_bytes"]),
              "time_us": float(r["time_us"])} for r in csv.DictReader(text.splitlines())]

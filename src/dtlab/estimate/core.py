@@ -100,15 +100,16 @@ def plan_of(cfg: Config, ranks_per_node: int) -> Plan | None:
 
 
 def exact_state(cfg: Config, world: int, ranks_per_node: int,
-                device: str = "cpu") -> list[RankBytes]:
-    """Per-rank param/grad/optim bytes of `cfg`'s strategy on `world` ranks: measured under the
-    fake backend (every rank up to 16, else the ranks holding the most), or the strategy's model
-    where its library cannot run there (DeepSpeed)."""
+                device: str = "cpu") -> tuple[list[RankBytes], str]:
+    """Per-rank param/grad/optim bytes of `cfg`'s strategy on `world` ranks, and their source:
+    measured under the fake backend (every rank up to 16, else the ranks holding the most), or
+    the strategy's model where its library cannot run there (DeepSpeed)."""
     model = registry.of(cfg).memory_model
     if model is None:
-        return measure(cfg, world, ranks_per_node, device)
-    return importlib.import_module(f"dtlab.strategies.{model}").modelled_state(
-        [p.numel() for p in meta_model(cfg).parameters()], cfg, world, device)
+        return measure(cfg, world, ranks_per_node, device), MEASURED
+    module = importlib.import_module(f"dtlab.strategies.{model}")
+    return module.modelled_state([p.numel() for p in meta_model(cfg).parameters()], cfg, world,
+                                 device), module.SOURCE
 
 
 @dataclass
@@ -158,9 +159,7 @@ def estimate(setup: Setup, token: str) -> dict[str, Any]:
     if cfg is not None:
         device = "cuda" if setup.backend == "nccl" and torch.cuda.is_available() else "cpu"
         try:
-            per_rank = exact_state(cfg, world, rpn, device)
-            source = MEASURED if spec.memory_model is None else importlib.import_module(
-                f"dtlab.strategies.{spec.memory_model}").SOURCE
+            per_rank, source = exact_state(cfg, world, rpn, device)
         except NotMeasured as e:
             if plan is None:
                 raise
@@ -216,10 +215,5 @@ def describe(setup: Setup) -> str:
             f"{setup.optimizer} ({OPTIMIZER_BYTES[setup.optimizer]} B/param of state), "
             f"{p.name} (weights {p.weight} B, grads {p.grad} B, master {p.master} B), "
             f"micro batch {setup.micro}, {setup.backend}, activation checkpointing "
-            f"{checkpointing_text(setup.checkpointing)}")
-
-
-def checkpointing_text(checkpointing: bool | tuple[int, ...]) -> str:
-    if isinstance(checkpointing, bool):
-        return "on" if checkpointing else "off"
-    return f"on blocks {', '.join(str(i) for i in checkpointing)}" if checkpointing else "off"
+            + ("off" if not setup.checkpointing else "on" if setup.checkpointing is True
+               else f"on blocks {', '.join(map(str, setup.checkpointing))}"))
