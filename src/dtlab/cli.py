@@ -220,13 +220,6 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_estimate,
     )
 
-    p = sub.add_parser("estimate", help="per-rank memory and communication of a setup, by arithmetic")
-    add_estimate_arguments(p)
-    p.set_defaults(func=cmd_estimate)
-
-    p = sub.add_parser("advise", help="which strategy fits a GPU's memory, with the numbers and headroom")
-    add_advise_arguments(p)
-    p.set_defaults(func=cmd_advise)
 
     p = sub.add_parser("export", help="a checkpoint's full model as one safetensors file")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory, "
@@ -237,13 +230,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     from dtlab.text_cli import add_prepare_arguments, add_sample_arguments, cmd_prepare, cmd_sample
 
-    p = sub.add_parser("prepare", help="text files -> train.bin/val.bin token data (data.name=tokens)")
-    add_prepare_arguments(p)
-    p.set_defaults(func=cmd_prepare)
-
-    p = sub.add_parser("sample", help="generate text from a trained GPT run or checkpoint")
-    add_sample_arguments(p)
-    p.set_defaults(func=cmd_sample)
+    for name, text, add_arguments, func in (  # commands whose arguments live beside them
+        ("estimate", "per-rank memory and communication of a setup, by arithmetic",
+         add_estimate_arguments, cmd_estimate),
+        ("advise", "which strategy fits a GPU's memory, with the numbers and headroom",
+         add_advise_arguments, cmd_advise),
+        ("prepare", "text files -> train.bin/val.bin token data (data.name=tokens)",
+         add_prepare_arguments, cmd_prepare),
+        ("sample", "generate text from a trained GPT run or checkpoint", add_sample_arguments,
+         cmd_sample)):
+        p = sub.add_parser(name, help=text)
+        add_arguments(p)
+        p.set_defaults(func=func)
 
     p = sub.add_parser("config", help="print the resolved config (or --keys: every valid key)")
     p.add_argument("--config", metavar="FILE",
