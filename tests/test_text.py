@@ -16,6 +16,7 @@ import pytest
 from conftest import dtlab
 
 from dtlab import prepare as prep
+from dtlab import tokenizer
 from dtlab.data import tokens
 
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven",
@@ -52,10 +53,11 @@ def test_bytes_split_the_text_exactly(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A byte-level BPE tokenizer trained on this module's text, saved as tokenizer.json."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([text(300, seed=1)], trainer)
@@ -80,6 +82,8 @@ def test_a_local_tokenizer_encodes_each_document_and_ends_it(tmp_path: Path, bpe
     meta = json.loads((d / "meta.json").read_text())
     assert (meta["vocab_size"], meta["eos"], meta["documents"]) == (tok.get_vocab_size(), eos, 40)
     assert meta["tokenizer"] == {"kind": "hf", "path": str((bpe / "tokenizer.json").resolve())}
+    again = tokenizer.from_meta(d)  # what `dtlab sample` decodes a run on this data with
+    assert again is not None and again.decode(expected[: expected.index(eos)]) == docs[0]
 
 
 def test_worker_processes_write_the_same_files(tmp_path: Path, bpe: Path,
