@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import math
 import random
+import resource
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import ranks
 from conftest import dtlab
 
 from dtlab import prepare as prep
@@ -128,6 +130,24 @@ def test_bad_input_is_one_line(tmp_path: Path, args: list[str], message: str) ->
                  cwd=tmp_path)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def _prepare_with_a_100_kb_file_limit(argv: list[str]) -> int:
+    from dtlab.cli import main
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+    return main(argv)
+
+
+def test_a_refused_write_is_one_line_and_leaves_no_file(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text(text(3000))  # 180 kB of text: 360 kB of uint16 tokens
+    out = tmp_path / "d"
+    proc = ranks.start(1, ["prepare", str(tmp_path / "a.txt"), "--out", str(out)],
+                       target=_prepare_with_a_100_kb_file_limit)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "dtlab: error: file too large for the file-size limit (ulimit -f) while writing the token "
+        f"files in '{out}'; fix: raise the limit (ulimit -f unlimited), or set --out elsewhere")
+    assert list(out.iterdir()) == []  # nor the scratch file
 
 
 def test_without_tokenizers_a_local_tokenizer_is_one_line(tmp_path: Path, bpe: Path,

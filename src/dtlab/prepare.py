@@ -6,8 +6,8 @@ Inputs: .txt/.md files (one document each), .jsonl (one document per line, its `
 dataset when the `datasets` package and the network are there. Every document is encoded, followed
 by the tokenizer's end-of-text token when it has one; the last `--val-fraction` of the token stream
 is the validation split, as nanoGPT splits it. Large inputs are encoded by `--workers` processes,
-in input order (the output does not depend on the worker count). The files appear whole or not at
-all: they are written next to their final names and renamed at the end.
+in input order (the output does not depend on the worker count). Each file appears whole or not
+at all (dtlab/files.py: written beside its name, then renamed); a refused write is one line.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from dtlab import files
 from dtlab import tokenizer as tokenizers
-from dtlab.errors import ConfigError, DataError
+from dtlab.errors import ConfigError, DataError, DtlabError
 
 TEXT_SUFFIXES = {".txt", ".md", ".text"}
 SUFFIXES = TEXT_SUFFIXES | {".jsonl", ".parquet"}
@@ -126,10 +127,13 @@ def _start_worker(name: str) -> None:
     _worker_tokenizer = tokenizers.load(name)
 
 
-def _encode(chunk: list[str]) -> tuple[list[int], int, int]:
+def _encode_in_worker(chunk: list[str]) -> tuple[list[int], int, int]:
+    assert _worker_tokenizer is not None
+    return _encode(_worker_tokenizer, chunk)
+
+
+def _encode(tok: tokenizers.Tokenizer, chunk: list[str]) -> tuple[list[int], int, int]:
     """The chunk's token ids, its UTF-8 bytes (for the progress bar) and its documents."""
-    tok = _worker_tokenizer
-    assert tok is not None
     ids: list[int] = []
     for doc in chunk:
         ids += tok.encode(doc)
@@ -147,6 +151,7 @@ def prepare(inputs: list[str], out: Path, tokenizer: str = "bytes", val_fraction
     local = [s for s in sources if isinstance(s, Path)]
     size = sum(s.stat().st_size for s in local)
     workers = workers or min(8, len(os.sched_getaffinity(0)))
+    files.check_writable_dir(out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".tokens.tmp"
     bar = _bar(size if len(local) == len(sources) else None)
@@ -156,30 +161,37 @@ def prepare(inputs: list[str], out: Path, tokenizer: str = "bytes", val_fraction
             pool = None
             if workers > 1 and (size >= POOL_FROM_BYTES or len(local) < len(sources)):
                 pool = get_context("spawn").Pool(workers, _start_worker, (tokenizer,))
-                encoded = pool.imap(_encode, _chunks(sources, text_field))
+                encoded = pool.imap(_encode_in_worker, _chunks(sources, text_field))
             else:
-                _start_worker(tokenizer)
-                encoded = map(_encode, _chunks(sources, text_field))
+                encoded = (_encode(tok, chunk) for chunk in _chunks(sources, text_field))
             try:
                 for ids, n_bytes, n_docs in encoded:
-                    f.write(np.asarray(ids, dtype=dtype).tobytes())
+                    _write(out, f.write, np.asarray(ids, dtype=dtype).tobytes())
                     total += len(ids)
                     docs += n_docs
                     if bar is not None:
                         bar.update(n_bytes)
+                _write(out, f.flush)  # so that closing the file has nothing left to write
             finally:
                 if pool is not None:
                     pool.terminate()
-        meta = _split(tmp, out, dtype, total, val_fraction)
+        meta = _write(out, _split, tmp, out, dtype, total, val_fraction)
     finally:
         tmp.unlink(missing_ok=True)
         if bar is not None:
             bar.close()
     meta.update(vocab_size=tok.vocab_size, dtype=np.dtype(dtype).name, tokenizer=tok.spec(),
                 eos=tok.eos, documents=docs, sources=[str(s) for s in sources])
-    (out / "meta.json.tmp").write_text(json.dumps(meta, indent=1) + "\n")
-    os.replace(out / "meta.json.tmp", out / "meta.json")
+    files.write_text(out / "meta.json", json.dumps(meta, indent=1) + "\n", "--out")
     return meta
+
+
+def _write(out: Path, write: Any, *args: Any) -> Any:
+    """write(*args); a refused write (a full disk, a file-size limit) is one line, as a run's."""
+    try:
+        return write(*args)
+    except OSError as e:
+        raise DtlabError(files.describe(e, f"writing the token files in '{out}'", "--out")) from None
 
 
 def _split(tmp: Path, out: Path, dtype: type, total: int, val_fraction: float) -> dict[str, Any]:
@@ -189,9 +201,7 @@ def _split(tmp: Path, out: Path, dtype: type, total: int, val_fraction: float) -
                         f"split at --val-fraction {val_fraction}; fix: add text")
     tokens = np.memmap(tmp, dtype=dtype, mode="r")
     for name, part in (("train", tokens[: total - val]), ("val", tokens[total - val :])):
-        part.tofile(out / f"{name}.bin.tmp")
-    for name in ("train", "val"):
-        os.replace(out / f"{name}.bin.tmp", out / f"{name}.bin")
+        files.replace_whole(out / f"{name}.bin", part.tofile)
     return {"tokens": {"train": total - val, "val": val}}
 
 
