@@ -19,18 +19,24 @@ from dtlab.errors import DtlabError
 
 def load(source: Path) -> tuple[Any, Any]:
     """(config, model in eval mode) of a run or checkpoint directory."""
-    from dtlab.checkpoint import dcp_load, newest_verified, verify
-    from dtlab.config import Config, load_config
+    from dtlab.checkpoint import newest_verified
+    from dtlab.config import load_config
     from dtlab.data import spec_for
+    from dtlab.export import checkpoint_model
     from dtlab.models import build_model
 
     if (source / "dtlab-checkpoint.json").is_file():
-        checkpoint: Path | None = source
-        cfg = Config.model_validate(verify(source)["config"])
+        cfg, model = checkpoint_model(source)
     elif (source / "config.yaml").is_file():
         cfg = load_config(source / "config.yaml")
-        checkpoint = None if (source / "model.safetensors").is_file() else newest_verified(source)
-        if checkpoint is None and not (source / "model.safetensors").is_file():
+        if (source / "model.safetensors").is_file():
+            from safetensors.torch import load_file
+
+            model = build_model(cfg.model, spec_for(cfg))
+            model.load_state_dict(load_file(str(source / "model.safetensors")))
+        elif (checkpoint := newest_verified(source)) is not None:
+            cfg, model = checkpoint_model(checkpoint)
+        else:
             raise DtlabError(f"{source} holds no model.safetensors and no checkpoint; fix: train "
                              "with run.save_model=true or train.checkpoint_every=N")
     else:
@@ -39,14 +45,6 @@ def load(source: Path) -> tuple[Any, Any]:
     if cfg.model.name != "gpt":
         raise DtlabError(f"{source} holds a {cfg.model.name} model, which does not generate text; "
                          "fix: sample from a run of model.name=gpt")
-    model = build_model(cfg.model, spec_for(cfg))
-    state = model.state_dict()
-    if checkpoint is not None:
-        dcp_load({"model": state}, checkpoint)
-    else:
-        from safetensors.torch import load_file
-
-        model.load_state_dict(load_file(str(source / "model.safetensors")))
     return cfg, model.eval()
 
 
