@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from dtlab.launch import launch as real_launch
 
@@ -162,7 +163,7 @@ def memoize_synthetic_images() -> None:
     import dtlab.data
     from dtlab.data.arrays import ArrayDataset
 
-    def memoized(real):  # noqa: ANN001, ANN202
+    def memoized(real: Callable[..., Any]) -> Callable[..., Any]:
         if getattr(real, "memoized", False):
             return real
         made: dict[str, tuple[ArrayDataset, ArrayDataset]] = {}

@@ -213,14 +213,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_comm_arguments(p)
     p.set_defaults(func=run_comm)
 
-    from dtlab.estimate.cli import (
-        add_advise_arguments,
-        add_estimate_arguments,
-        cmd_advise,
-        cmd_estimate,
-    )
-
-
     p = sub.add_parser("export", help="a checkpoint's full model as one safetensors file")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory, "
                    "RUN_DIR/checkpoints/step_NNNNNN")
@@ -228,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="safetensors file to write")
     p.set_defaults(func=cmd_export)
 
+    from dtlab.estimate.cli import (
+        add_advise_arguments,
+        add_estimate_arguments,
+        cmd_advise,
+        cmd_estimate,
+    )
     from dtlab.text_cli import add_prepare_arguments, add_sample_arguments, cmd_prepare, cmd_sample
 
     for name, text, add_arguments, func in (  # commands whose arguments live beside them
