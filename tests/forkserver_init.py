@@ -5,7 +5,7 @@ worker pinning it to one core, ran into). Then what many ranks would each do aft
 done once here:
 - the imports of the strategies that import large packages when first used (deepspeed: ~2 s in
   every rank of a deepspeed run, its decorators call torch.compile at import; ZeRO-1's
-  torch.distributed.optim; pipelining);
+  torch.distributed.optim; pipelining), and transformers' (~3 s per rank of a model.name=hf run);
 - the synthetic data sets of the quick config and of the GPT configs (ranks.memoize_synthetic_images);
 - gc.freeze(), so that the gc.collect() dtlab runs before destroying each process group skips the
   objects of torch, dynamo and dtlab imported here (0.43 s per rank otherwise, ~0 after the
@@ -25,9 +25,14 @@ import dtlab.data  # noqa: E402
 from dtlab.config import load_config  # noqa: E402
 
 for _module in ("dtlab.strategies.zero1", "dtlab.strategies.pp", "dtlab.strategies.tp",
-                "torch.distributed.checkpoint._fsspec_filesystem", "deepspeed"):
-    if importlib.util.find_spec(_module.split(".")[0]):  # deepspeed is an optional extra
+                "torch.distributed.checkpoint._fsspec_filesystem", "deepspeed",
+                "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"):
+    if importlib.util.find_spec(_module.split(".")[0]):  # deepspeed, transformers: extras
         importlib.import_module(_module)
+if importlib.util.find_spec("transformers"):
+    from dtlab.models import hf
+
+    hf.require_transformers()
 
 ranks.memoize_synthetic_images()
 _cpu = torch.device("cpu")

@@ -115,11 +115,19 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dtlab.export import export
+    from dtlab.export import DEFAULT_SHARD, export, export_hf, parse_size
 
     checkpoint = input_dir("CHECKPOINT", args.checkpoint,
                            "pass a checkpoint directory, RUN_DIR/checkpoints/step_NNNNNN")
-    print(f"written: {export(checkpoint, output_file('-o/--output', args.output, 'model.safetensors'))}")
+    if args.format == "hf":
+        max_shard = parse_size(args.max_shard_size or DEFAULT_SHARD)
+        print(f"written: {export_hf(checkpoint, Path(args.output or 'hf-model'), max_shard)}")
+        return 0
+    if args.max_shard_size is not None:
+        raise DtlabError("--max-shard-size applies to --format hf; fix: add --format hf, or "
+                         "drop --max-shard-size")
+    output = output_file("-o/--output", args.output or "model.safetensors", "model.safetensors")
+    print(f"written: {export(checkpoint, output)}")
     return 0
 
 
@@ -213,11 +221,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_comm_arguments(p)
     p.set_defaults(func=run_comm)
 
-    p = sub.add_parser("export", help="a checkpoint's full model as one safetensors file")
+    p = sub.add_parser("export", help="a checkpoint's full model as one safetensors file, or "
+                       "as a directory Hugging Face transformers loads (--format hf)")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory, "
                    "RUN_DIR/checkpoints/step_NNNNNN")
-    p.add_argument("-o", "--output", default="model.safetensors", metavar="FILE",
-                   help="safetensors file to write")
+    p.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
+                   help="safetensors: one file, dtlab's parameter names; hf: a new directory "
+                   "with config.json and weights in the Hugging Face layout (model.name=gpt: "
+                   "GPT2LMHeadModel)")
+    p.add_argument("-o", "--output", metavar="PATH", help="the file to write (default: "
+                   "model.safetensors); with --format hf the directory (default: hf-model)")
+    p.add_argument("--max-shard-size", metavar="SIZE", help="with --format hf: largest weight "
+                   "file, e.g. 500MB, 2GB, 4GiB; above it the weights are split into "
+                   "model-0000i-of-0000N.safetensors and an index (default: 5GB)")
     p.set_defaults(func=cmd_export)
 
     from dtlab.estimate.cli import (

@@ -1,15 +1,35 @@
 """`dtlab export CKPT -o FILE`: a checkpoint's full (unsharded) model as one safetensors file,
-in one process. The output path is checked before anything is loaded; the file is written whole
-or not at all."""
+in one process. `--format hf -o DIR`: a directory that Hugging Face transformers loads
+(config.json and safetensors weights in the model's HF layout, sharded above --max-shard-size),
+read from the checkpoint one block at a time. The output is checked before anything is loaded
+and written whole or not at all."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dtlab import files
-from dtlab.checkpoint import dcp_load, verify
+from dtlab.checkpoint import _safe_reader, dcp_load, verify
 from dtlab.errors import DtlabError
+from dtlab.models import gpt_hf, hf
+
+# (model config, tensors under dtlab's names) -> (config.json, (HF name, tensor) in model order)
+Layout = Callable[[Any, Mapping[str, torch.Tensor]],
+                  tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]]]
+# model.name -> its Hugging Face layout. A model kind gains `--format hf` with an entry here
+# (models/gpt_hf.py is the example); the rest of the export does not depend on the model.
+HF_LAYOUTS: dict[str, Layout] = {"gpt": gpt_hf.to_gpt2, "hf": hf.to_hf}
+DEFAULT_SHARD = "5GB"
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def checkpoint_model(path: Path) -> tuple[Any, Any]:
@@ -41,3 +61,150 @@ def export(path: Path, out: Path) -> Path:
 
     files.write_whole(out, write, f"writing '{out}'", "-o")
     return out
+
+
+def parse_size(text: str, flag: str = "--max-shard-size") -> int:
+    """Bytes of '5GB', '500MB', '2GiB', '1.5GB' or '1000000' (units as Hugging Face reads them:
+    KB/MB/GB decimal, KiB/MiB/GiB binary); DtlabError naming `flag` otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    size = int(float(m.group(1)) * _UNITS[unit]) if m and unit in _UNITS else 0
+    if size < 1:
+        raise DtlabError(f"{flag} '{text}' is not a size in bytes above 0; fix: give a number "
+                         f"and a unit, e.g. {flag} 2GB (KB, MB, GB, or KiB, MiB, GiB)")
+    return size
+
+
+def export_hf(path: Path, out: Path, max_shard_bytes: int) -> Path:
+    """A checkpoint's model as a Hugging Face directory: config.json plus model.safetensors, or
+    model-0000i-of-0000N.safetensors and model.safetensors.index.json above max_shard_bytes.
+    Memory: about one block of the checkpoint plus one output shard."""
+    from dtlab.config import Config
+
+    out = Path(out)
+    problem = files.not_a_directory(out, "-o/--output", "name a new directory")
+    if problem:
+        raise DtlabError(problem)
+    if out.is_dir() and any(out.iterdir()):
+        raise DtlabError(f"-o/--output '{out}' is a directory that is not empty; fix: name a new "
+                         "directory, or empty this one")
+    files.check_writable_dir(out, "-o/--output")
+    model_cfg = Config.model_validate(verify(path)["config"]).model
+    layout = HF_LAYOUTS.get(model_cfg.name)
+    if layout is None:
+        names = ", ".join(f"model.name={n}" for n in HF_LAYOUTS)
+        raise DtlabError(f"--format hf exports language models ({names}); checkpoint '{path}' "
+                         f"holds model.name={model_cfg.name}; fix: use --format safetensors")
+    config, tensors = layout(model_cfg, CheckpointTensors(path))
+
+    def write(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_shards(tensors, tmp, max_shard_bytes)
+
+    _write_dir_whole(out, write)
+    return out
+
+
+def _group(name: str) -> str:
+    """The keys read together: those up to the first number ("h.3" of "h.3.attn.q_proj.weight":
+    one block), else the key alone."""
+    parts = name.split(".")
+    i = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    return name if i is None else ".".join(parts[:i + 1])
+
+
+class CheckpointTensors(Mapping[str, torch.Tensor]):
+    """The model tensors of a DCP checkpoint under their model names, read on demand a group
+    (a block) at a time; only the group read last is kept, so a caller that asks in model order
+    holds one block. Shapes and dtypes come from DCP's metadata."""
+
+    def __init__(self, path: Path) -> None:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.path = Path(path)
+        metadata = _safe_reader()(str(path)).read_metadata().state_dict_metadata
+        self.meta = {k.removeprefix("model."): v for k, v in metadata.items()
+                     if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+        self.loaded: tuple[str | None, dict[str, torch.Tensor]] = (None, {})
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.meta:
+            raise KeyError(name)
+        group = _group(name)
+        if self.loaded[0] != group:
+            self.loaded = (None, {})  # let the previous group go before the next is read
+            tensors = {k: torch.empty(m.size, dtype=m.properties.dtype)
+                       for k, m in self.meta.items() if _group(k) == group}
+            dcp_load({"model": tensors}, self.path)  # DCP reads just these keys
+            self.loaded = (group, tensors)
+        return self.loaded[1][name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.meta)
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+
+def write_shards(tensors: Iterable[tuple[str, torch.Tensor]], directory: Path,
+                 max_shard_bytes: int) -> list[str]:
+    """Hugging Face's sharded safetensors: files of at most max_shard_bytes (a larger tensor
+    alone in one), filled in order; one file, model.safetensors, when everything fits. Returns
+    the file names."""
+    from safetensors.torch import save_file
+
+    shards: list[list[str]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:  # named once the count is known
+        save_file(shard, str(directory / f".shard-{len(shards)}"), metadata={"format": "pt"})
+        shards.append(list(shard))
+
+    for name, tensor in tensors:
+        tensor = tensor.detach().contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > max_shard_bytes:
+            flush()
+            shard, size = {}, 0
+        shard[name] = tensor
+        size += nbytes
+        total += nbytes
+    if shard or not shards:
+        flush()
+    n = len(shards)
+    names = (["model.safetensors"] if n == 1 else
+             [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+    mode = 0o666 & ~_umask()  # safetensors creates its files 0600: a model is for sharing
+    for i, name in enumerate(names):
+        os.chmod(directory / f".shard-{i}", mode)
+        os.replace(directory / f".shard-{i}", directory / name)
+    if n > 1:
+        weight_map = {key: name for name, keys in zip(names, shards, strict=True) for key in keys}
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return names
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading it means setting it: put it straight back
+    os.umask(mask)
+    return mask
+
+
+def _write_dir_whole(out: Path, write: Callable[[Path], object]) -> None:
+    """write(tmp) into a hidden directory beside `out`, then rename it to `out` (missing or empty):
+    the directory appears whole or not at all. (files.write_whole is for files: it would leave a
+    directory behind on failure.) A refused write is one DtlabError naming the cause."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an earlier export by this pid
+        tmp.mkdir(parents=True)
+        write(tmp)
+        os.replace(tmp, out)  # rename(2) replaces an empty directory
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        error = files.os_error_in(e) if isinstance(e, Exception) else None
+        if error is None:
+            raise
+        raise DtlabError(files.describe(error, f"writing '{out}'", "-o")) from None

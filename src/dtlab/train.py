@@ -46,7 +46,7 @@ from dtlab.errors import ConfigError, DtlabError, PeerError, RunError
 from dtlab.faults import Fault
 from dtlab.interrupt import Interrupted
 from dtlab.metrics import MetricsLog
-from dtlab.models import build_model, count_params, memory_format
+from dtlab.models import build_model, check_model, count_params, memory_format
 from dtlab.optim import build_scheduler
 from dtlab.run_state import RunState, Training
 from dtlab.run_stop import STOP_DEADLINE_S, last_checkpoint, record_stop, stop_at_boundary
@@ -87,7 +87,9 @@ def build(cfg: Config, ctx: DistContext) -> tuple[Training, Any, TrainLoader, Ev
 
 
 def check_paths(cfg: Config) -> None:
-    """Before any rank starts: data.dir can be a directory, the run directory can be written."""
+    """Before any rank starts: the model's source and data.dir can be read, the run directory can
+    be written."""
+    check_model(cfg.model)
     check_data_dir(cfg)
     files.check_writable_dir(Path(cfg.run.dir or "runs/default"), "run.dir")
 

@@ -12,12 +12,14 @@ from dtlab.config.load import (
     valid_keys,
 )
 from dtlab.config.schema import (
+    LANGUAGE_MODELS,
     STRATEGIES,
     CNNConfig,
     Config,
     DataConfig,
     FaultConfig,
     GPTConfig,
+    HFConfig,
     ModelConfig,
     ResNetConfig,
     RunConfig,
@@ -36,7 +38,7 @@ from dtlab.errors import ConfigError
 
 __all__ = [
     "STRATEGIES", "CNNConfig", "Config", "ConfigError", "DataConfig", "FaultConfig",
-    "GPTConfig", "ModelConfig", "ResNetConfig", "RunConfig", "StrategyConfig", "SyntheticConfig",
+    "GPTConfig", "HFConfig", "LANGUAGE_MODELS", "ModelConfig", "ResNetConfig", "RunConfig", "StrategyConfig", "SyntheticConfig",
     "TrainConfig", "apply_override", "check_value", "check_environment", "check_world", "data_parallel_size",
     "format_validation_error", "micro_batch", "model_parallel_size",
     "load_config", "parse_value", "read_yaml", "to_yaml", "valid_keys",

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from dtlab.config.schema import CNNConfig, Config, GPTConfig, ResNetConfig
+from dtlab.config.schema import CNNConfig, Config, GPTConfig, HFConfig, ResNetConfig
 from dtlab.errors import ConfigError
 
 
@@ -179,7 +179,8 @@ def to_yaml(cfg: Config) -> str:
 
 
 # ---------------------------------------------------------------------------- error messages
-_MODELS: dict[str, type[BaseModel]] = {"cnn": CNNConfig, "resnet": ResNetConfig, "gpt": GPTConfig}
+_MODELS: dict[str, type[BaseModel]] = {"cnn": CNNConfig, "resnet": ResNetConfig, "gpt": GPTConfig,
+                                        "hf": HFConfig}
 
 
 def _dotted(loc: tuple[Any, ...]) -> str:

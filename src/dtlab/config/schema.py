@@ -76,7 +76,45 @@ class GPTConfig(Section):
         return self
 
 
-ModelConfig = Annotated[CNNConfig | ResNetConfig | GPTConfig, Field(discriminator="name")]
+class HFOptions(Section):
+    """Where a Hugging Face model comes from: `path` (a local directory with config.json and
+    weights, e.g. a `dtlab export --format hf`; or a hub id when online) and/or `config` (config
+    fields: with `path` they override its config.json, alone they need `model_type` and the model
+    is initialised randomly from the seed)."""
+
+    path: str | None = None
+    config: dict[str, Any] | None = None
+    dtype: Literal["fp32", "bf16"] = "fp32"  # the parameters' dtype (bf16: pure bf16 training)
+
+
+class HFConfig(Section):
+    """A causal LM of Hugging Face transformers (the `hf` extra); its decoder layers are the
+    sharding and checkpointing units (dtlab/models/hf.py)."""
+
+    name: Literal["hf"] = "hf"
+    hf: HFOptions = Field(default_factory=HFOptions)
+    block_size: PositiveInt = 64  # the training sequence length
+
+    @model_validator(mode="after")
+    def _has_a_source(self) -> HFConfig:
+        o = self.hf
+        if o.path is None and not (o.config and "model_type" in o.config):
+            raise ValueError(
+                "model.name=hf needs model.hf.path (a model directory) or model.hf.config with a "
+                "model_type; fix: e.g. model.hf.path=./my-llama, or model.hf.config.model_type=llama"
+            )
+        return self
+
+    @property
+    def vocab_size(self) -> int:
+        from dtlab.models.hf import hf_config
+
+        return hf_config(self).vocab_size
+
+
+ModelConfig = Annotated[CNNConfig | ResNetConfig | GPTConfig | HFConfig,
+                        Field(discriminator="name")]
+LANGUAGE_MODELS = ("gpt", "hf")  # the models that train on token sequences
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -242,13 +280,14 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:
-        is_gpt = self.model.name == "gpt"
-        if (is_gpt and self.data.name in ("cifar10", "mnist")) or (
-            not is_gpt and self.data.name == "tokens"
+        is_lm = self.model.name in LANGUAGE_MODELS
+        if (is_lm and self.data.name in ("cifar10", "mnist")) or (
+            not is_lm and self.data.name == "tokens"
         ):
             raise ValueError(
                 f"model.name={self.model.name} cannot train on data.name={self.data.name}; "
-                "fix: use gpt with data.name=synthetic|tokens, cnn/resnet with synthetic|cifar10|mnist"
+                "fix: use gpt or hf with data.name=synthetic|tokens, cnn/resnet with "
+                "synthetic|cifar10|mnist"
             )
         spec = registry.of(self)
         if spec.validate is not None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from dtlab import files
-from dtlab.config import Config
+from dtlab.config import LANGUAGE_MODELS, Config
 from dtlab.data import cifar10, mnist, tokens
 from dtlab.data.arrays import ArrayDataset, TokenWindows, augmenter, normalizer
 from dtlab.data.loader import Dataset, EvalLoader, SampleUsage, TrainLoader
@@ -44,7 +44,7 @@ IMAGE_SETS = {"cifar10": (cifar10, (3, 32)), "mnist": (mnist, (1, 28))}
 
 def spec_for(cfg: Config) -> DataSpec:
     """What the model must accept, from the config alone (no data is read)."""
-    if cfg.model.name == "gpt":
+    if cfg.model.name in LANGUAGE_MODELS:
         return DataSpec("tokens", vocab_size=cfg.model.vocab_size, seq_len=cfg.model.block_size)
     if cfg.data.name == "synthetic":
         s = cfg.data.synthetic
@@ -62,7 +62,7 @@ def check_data_dir(cfg: Config) -> None:
     problem = files.not_a_directory(Path(d.dir), "data.dir")
     if problem:
         raise DataError(problem)
-    if cfg.model.name == "gpt":
+    if cfg.model.name in LANGUAGE_MODELS:
         for split in ("train", "val"):
             tokens.check_file(Path(d.dir), split)
 
@@ -91,7 +91,7 @@ def _prepare_files(cfg: Config, ctx: DistContext) -> None:
 def build_datasets(cfg: Config, ctx: DistContext) -> tuple[Dataset, Dataset, DataSpec]:
     d, dev = cfg.data, ctx.device
     spec = spec_for(cfg)
-    if cfg.model.name == "gpt":
+    if cfg.model.name in LANGUAGE_MODELS:
         m = cfg.model
         if d.name == "synthetic":
             train, val = synthetic_tokens(d.synthetic, cfg.seed, m.vocab_size, m.block_size, dev)

@@ -68,9 +68,12 @@ def model_from_config(path: str | None, overrides: list[str]) -> Model:
         units.append(float(sum(p.numel() for p in block.parameters() if id(p) not in taken)))
         taken |= {id(p) for p in block.parameters()}
     n = float(count_params(model))
+    segments = None if cfg.model.name not in activations.MODELLED else (
+        lambda micro, mode: activations.config_segments(cfg, micro, mode))
     return Model(f"{cfg.model.name} ({int(n):,} parameters)", n, [u for u in units if u],
-                 n - sum(units), lambda micro, mode: activations.config_segments(cfg, micro, mode),
-                 cfg, (path, list(overrides)))
+                 n - sum(units), segments, cfg, (path, list(overrides)),
+                 [] if segments else [f"activations of model.name={cfg.model.name} are not "
+                                      "modelled: state only (measure them with dtlab train)"])
 
 
 def optimizer_of(cfg: Config) -> str:

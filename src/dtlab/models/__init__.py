@@ -13,7 +13,8 @@ from dtlab.models.gpt import GPT
 from dtlab.models.resnet import ResNet
 
 __all__ = [
-    "GPT", "ResNet", "SimpleCNN", "build_model", "count_params", "has_batchnorm", "loss_fn",
+    "GPT", "ResNet", "SimpleCNN", "build_model", "check_model", "count_params", "has_batchnorm",
+    "loss_fn",
 ]
 
 
@@ -25,10 +26,23 @@ def build_model(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
         )
     if cfg.name == "resnet":
         return ResNet(cfg.depth, cfg.width, spec.in_channels, spec.num_classes)
+    if cfg.name == "hf":
+        from dtlab.models import hf  # transformers only where it is used
+
+        return hf.build(cfg)
     return GPT(
         cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.vocab_size, cfg.dropout, cfg.bias,
         cfg.tie_weights,
     )
+
+
+def check_model(cfg: ModelConfig) -> None:
+    """Before any rank starts: what can be checked of the model without building it (a Hugging
+    Face model's config loads and fits the sequence)."""
+    if cfg.name == "hf":
+        from dtlab.models import hf
+
+        hf.check(cfg)
 
 
 def count_params(model: nn.Module) -> int:
