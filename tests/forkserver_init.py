@@ -26,8 +26,9 @@ from dtlab.config import load_config  # noqa: E402
 
 for _module in ("dtlab.strategies.zero1", "dtlab.strategies.pp", "dtlab.strategies.tp",
                 "torch.distributed.checkpoint._fsspec_filesystem", "deepspeed",
-                "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"):
-    if importlib.util.find_spec(_module.split(".")[0]):  # deepspeed, transformers: extras
+                "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
+                "peft"):
+    if importlib.util.find_spec(_module.split(".")[0]):  # deepspeed, transformers, peft: extras
         importlib.import_module(_module)
 if importlib.util.find_spec("transformers"):
     from dtlab.models import hf

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dtlab import files
+from dtlab import files, lora
 from dtlab.checkpoint import _safe_reader, dcp_load, verify
 from dtlab.errors import DtlabError
 from dtlab.models import gpt_hf, hf
@@ -39,7 +39,7 @@ def checkpoint_model(path: Path) -> tuple[Any, Any]:
     from dtlab.models import build_model
 
     cfg = Config.model_validate(verify(path)["config"])
-    model = build_model(cfg.model, spec_for(cfg))
+    model = build_model(cfg.model, spec_for(cfg), cfg.train.lora)
     dcp_load({"model": model.state_dict()}, path)  # into the parameters the state dict shares
     return cfg, model
 
@@ -52,8 +52,9 @@ def export(path: Path, out: Path) -> Path:
     problem = files.not_a_directory(out.parent, "the directory of -o", "choose another -o")
     if problem:
         raise DtlabError(problem)
-    _, model = checkpoint_model(path)
-    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    cfg, model = checkpoint_model(path)
+    merged = lora.plain(model.state_dict(), cfg.train.lora)  # adapters folded into the weights
+    state = {k: merged[k].detach().clone().contiguous() for k in merged}
 
     def write(tmp: Path) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -89,13 +90,14 @@ def export_hf(path: Path, out: Path, max_shard_bytes: int) -> Path:
         raise DtlabError(f"-o/--output '{out}' is a directory that is not empty; fix: name a new "
                          "directory, or empty this one")
     files.check_writable_dir(out, "-o/--output")
-    model_cfg = Config.model_validate(verify(path)["config"]).model
+    cfg = Config.model_validate(verify(path)["config"])
+    model_cfg = cfg.model
     layout = HF_LAYOUTS.get(model_cfg.name)
     if layout is None:
         names = ", ".join(f"model.name={n}" for n in HF_LAYOUTS)
         raise DtlabError(f"--format hf exports language models ({names}); checkpoint '{path}' "
                          f"holds model.name={model_cfg.name}; fix: use --format safetensors")
-    config, tensors = layout(model_cfg, CheckpointTensors(path))
+    config, tensors = layout(model_cfg, lora.plain(CheckpointTensors(path), cfg.train.lora))
 
     def write(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -40,7 +40,7 @@ def count(cfg: Any, spec: Any, batch: int) -> tuple[float, float]:
     modes = dict.fromkeys(("none", cfg.train.activation_checkpointing))  # once without recompute
     for mode in modes:
         with torch.device("meta"):
-            model = build_model(cfg.model, spec)
+            model = build_model(cfg.model, spec, cfg.train.lora)
             activation_checkpoint.apply(model, mode, cfg.train.ac_every)
             if spec.kind == "tokens":
                 x = y = torch.randint(0, spec.vocab_size, (batch, spec.seq_len))

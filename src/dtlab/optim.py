@@ -87,7 +87,7 @@ def optimizer_spec(cfg: TrainConfig, params: Iterable[torch.Tensor]
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
-    params = list(params)
+    params = [p for p in params if p.requires_grad]  # LoRA: the adapters only
     cls, kwargs = optimizer_spec(cfg, params)
     optimizer = cls(params, **kwargs)
     impl = {k: optimizer.defaults[k] for k in ("fused", "foreach")}

@@ -131,7 +131,7 @@ def comm_breakdown(cfg: Config, ctx: DistContext, tr: Training, batches: list[An
                 engine.micro_step(x, y, tr.stepper.loss_hook, sync=False)
             engine.step()
     else:  # FSDP all-gathers even without gradient sync: time a plain replica instead
-        replica = build_model(cfg.model, tr.spec).to(ctx.device)
+        replica = build_model(cfg.model, tr.spec, cfg.train.lora).to(ctx.device)
         opt = build_optimizer(replica.parameters(), cfg.train)
 
         def compute_only(b: Any) -> Any:

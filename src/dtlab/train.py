@@ -62,7 +62,7 @@ def build(cfg: Config, ctx: DistContext) -> tuple[Training, Any, TrainLoader, Ev
     train_set, val_set, spec = build_datasets(cfg, ctx)
     # Identical initial weights on every rank, for every strategy (unless the lab switch breaks it).
     torch.manual_seed(cfg.seed + (ctx.rank if cfg.lab.per_rank_init_seed else 0))
-    model = build_model(cfg.model, spec)
+    model = build_model(cfg.model, spec, t.lora)
     n_params = count_params(model)
     strategy = registry.build(cfg, ctx)
     # before wrapping, in this order: the layout, checkpointing, then compiling what it made

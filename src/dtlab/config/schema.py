@@ -141,6 +141,15 @@ class DataConfig(Section):
 
 
 # ----------------------------------------------------------------------------------------- train
+class LoraConfig(Section):
+    """LoRA adapters (dtlab/lora.py, the `lora` extra): rank 0 = off (the whole model trains)."""
+
+    rank: NonNegativeInt = 0
+    alpha: PositiveFloat = 16.0  # the adapters' update is scaled by alpha / rank
+    targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+
 class TrainConfig(Section):
     global_batch_size: PositiveInt = 64
     grad_accum_steps: PositiveInt = 1
@@ -176,6 +185,7 @@ class TrainConfig(Section):
     checkpoint_every: NonNegativeInt = 0  # steps; 0 = no checkpoints (else also one at the end)
     keep_checkpoints: PositiveInt = 2  # the last K complete checkpoints are kept
     nan_policy: Literal["error", "skip"] = "error"  # a non-finite loss or gradient: stop, or skip
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @field_validator("compile", mode="before")
     @classmethod

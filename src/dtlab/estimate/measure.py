@@ -38,7 +38,7 @@ class NotMeasured(DtlabError):
 def meta_model(cfg: Config) -> nn.Module:
     """The config's model with its exact parameter shapes, no memory allocated."""
     with torch.device("meta"):
-        return build_model(cfg.model, spec_for(cfg))
+        return build_model(cfg.model, spec_for(cfg), cfg.train.lora)
 
 
 @contextmanager

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,7 +20,17 @@ __all__ = [
 ]
 
 
-def build_model(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
+def build_model(cfg: ModelConfig, spec: DataSpec, lora: Any = None) -> nn.Module:
+    """The model of `cfg` for data `spec`, with `lora`'s adapters (train.lora) when on."""
+    model = _build(cfg, spec)
+    if lora is not None and lora.rank:
+        from dtlab import lora as adapters
+
+        adapters.apply(model, lora)
+    return model
+
+
+def _build(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
     if cfg.name == "cnn":
         return SimpleCNN(
             spec.in_channels, spec.image_size, spec.num_classes, cfg.channels, cfg.hidden,
