@@ -186,3 +186,26 @@ def test_export_loads_in_transformers_and_trains_again(tmp_path: Path) -> None:
     s = train(tmp_path / "again", "model.name=hf", f"model.hf.path={tmp_path / 'export'}", *TRAIN,
               "train.max_steps=1", "train.lr=1e-9", "data.synthetic.train_samples=8")
     assert s["final_train_loss"] < step_losses(tmp_path / "run")[0] - 0.05  # not from scratch
+
+
+def test_prepare_train_sample_a_llama(tmp_path: Path) -> None:
+    """Text the test writes -> `dtlab prepare` (bytes) -> a tiny Llama -> `dtlab sample`."""
+    from test_text import WORDS, text
+
+    (tmp_path / "notes.txt").write_text(text(300))
+    assert dtlab("prepare", "notes.txt", "--out", "data", cwd=tmp_path).returncode == 0
+    llama = [o for o in LLAMA if "vocab_size" not in o]
+    proc = dtlab("train", *llama, "model.hf.config.vocab_size=200", "data.name=tokens",
+                 f"data.dir={tmp_path / 'data'}", f"run.dir={tmp_path / 'r0'}")
+    assert proc.returncode == 2 and ("but model.hf.config.vocab_size=200; fix: set "
+                                     "model.hf.config.vocab_size to at least 256") in proc.stderr
+    s = train(tmp_path / "run", *llama, "model.hf.config.vocab_size=256", "data.name=tokens",
+              f"data.dir={tmp_path / 'data'}", "model.block_size=32", "train.global_batch_size=16",
+              "train.optimizer=adamw", "train.lr=0.01", "train.max_steps=30",
+              "train.warmup_steps=0", "run.save_model=true")
+    assert s["final_train_loss"] < 3.0  # ln 256 = 5.5 at the start: it learned the letters
+    out = dtlab("sample", str(tmp_path / "run"), "--prompt", "the ", "--tokens", "40")
+    assert out.returncode == 0, out.stderr
+    new = out.stdout[len("the "):]
+    assert out.stdout.startswith("the ") and len(new) >= 20
+    assert sum(c in set("".join(WORDS) + " \n") for c in new) >= 0.8 * len(new), new

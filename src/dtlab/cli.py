@@ -55,7 +55,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         from dtlab.data import tokens
 
         for split in ("train", "val"):
-            tokens.open_split(Path(cfg.data.dir), split, cfg.model.vocab_size, cfg.model.block_size)
+            tokens.open_split(Path(cfg.data.dir), split, cfg.model.vocab_size, cfg.model.block_size,
+                              cfg.model.VOCAB_KEY)
     from dtlab.launch import launch
 
     worker_args = (["--config", args.config] if args.config else []) + list(args.overrides)

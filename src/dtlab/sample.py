@@ -1,4 +1,5 @@
-"""`dtlab sample SOURCE --prompt TEXT --tokens N`: text from a trained GPT, to see what it learned.
+"""`dtlab sample SOURCE --prompt TEXT --tokens N`: text from a trained language model (dtlab's GPT
+or a Hugging Face model, model.name=hf), to see what it learned.
 
 SOURCE is a run directory (its `model.safetensors` when the run saved one, else its newest
 checkpoint that verifies) or a checkpoint directory. The prompt is encoded, and the output
@@ -20,7 +21,7 @@ from dtlab.errors import DtlabError
 def load(source: Path) -> tuple[Any, Any]:
     """(config, model in eval mode) of a run or checkpoint directory."""
     from dtlab.checkpoint import newest_verified
-    from dtlab.config import load_config
+    from dtlab.config import LANGUAGE_MODELS, load_config
     from dtlab.data import spec_for
     from dtlab.export import checkpoint_model
     from dtlab.models import build_model
@@ -32,7 +33,7 @@ def load(source: Path) -> tuple[Any, Any]:
         if (source / "model.safetensors").is_file():
             from safetensors.torch import load_file
 
-            model = build_model(cfg.model, spec_for(cfg))
+            model = build_model(cfg.model, spec_for(cfg), cfg.train.lora)
             model.load_state_dict(load_file(str(source / "model.safetensors")))
         elif (checkpoint := newest_verified(source)) is not None:
             cfg, model = checkpoint_model(checkpoint)
@@ -42,9 +43,9 @@ def load(source: Path) -> tuple[Any, Any]:
     else:
         raise DtlabError(f"{source} is neither a run directory (config.yaml) nor a checkpoint "
                          "(dtlab-checkpoint.json); fix: pass RUN_DIR or RUN_DIR/checkpoints/step_N")
-    if cfg.model.name != "gpt":
+    if cfg.model.name not in LANGUAGE_MODELS:
         raise DtlabError(f"{source} holds a {cfg.model.name} model, which does not generate text; "
-                         "fix: sample from a run of model.name=gpt")
+                         "fix: sample from a run of model.name=gpt or hf")
     return cfg, model.eval()
 
 

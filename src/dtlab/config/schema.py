@@ -6,7 +6,7 @@ Every section forbids unknown keys. Each strategy's options and checks live besi
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     Field,
@@ -57,6 +57,7 @@ class GPTConfig(Section):
     """Decoder-only transformer; each block is the sharding unit."""
 
     name: Literal["gpt"] = "gpt"
+    VOCAB_KEY: ClassVar[str] = "model.vocab_size"
     n_layer: PositiveInt = 4
     n_head: PositiveInt = 4
     n_embd: PositiveInt = 128
@@ -92,6 +93,7 @@ class HFConfig(Section):
     sharding and checkpointing units (dtlab/models/hf.py)."""
 
     name: Literal["hf"] = "hf"
+    VOCAB_KEY: ClassVar[str] = "model.hf.config.vocab_size"
     hf: HFOptions = Field(default_factory=HFOptions)
     block_size: PositiveInt = 64  # the training sequence length
 

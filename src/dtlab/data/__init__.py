@@ -96,8 +96,9 @@ def build_datasets(cfg: Config, ctx: DistContext) -> tuple[Dataset, Dataset, Dat
         if d.name == "synthetic":
             train, val = synthetic_tokens(d.synthetic, cfg.seed, m.vocab_size, m.block_size, dev)
             return _limit(train, d.train_limit), _limit(val, d.val_limit), spec
-        train, val = (TokenWindows(tokens.open_split(Path(d.dir), s, m.vocab_size, m.block_size),
-                                   m.block_size, dev) for s in ("train", "val"))
+        splits = (tokens.open_split(Path(d.dir), s, m.vocab_size, m.block_size, m.VOCAB_KEY)
+                  for s in ("train", "val"))
+        train, val = (TokenWindows(split, m.block_size, dev) for split in splits)
         return train, val, spec
     if d.name == "synthetic":
         train, val = synthetic_images(d.synthetic, cfg.seed, dev)

@@ -46,7 +46,10 @@ def check_file(folder: Path, split: str) -> Path:
     return path
 
 
-def open_split(folder: Path, split: str, vocab_size: int, seq_len: int) -> np.ndarray:
+def open_split(folder: Path, split: str, vocab_size: int, seq_len: int,
+               vocab_key: str = "model.vocab_size") -> np.ndarray:
+    """A split's tokens, memory-mapped; every id below `vocab_size` (the config key `vocab_key`
+    sets it)."""
     path = check_file(folder, split)
     declared, dtype = read_meta(Path(folder) / "meta.json")
     width = np.dtype(dtype).itemsize
@@ -65,7 +68,7 @@ def open_split(folder: Path, split: str, vocab_size: int, seq_len: int) -> np.nd
     top = int(tokens.max())
     if top >= vocab_size or (declared is not None and declared > vocab_size):
         raise DataError(
-            f"{path} uses token ids up to {max(top, (declared or 0) - 1)} but model.vocab_size="
-            f"{vocab_size}; fix: set model.vocab_size to at least {max(top + 1, declared or 0)}"
+            f"{path} uses token ids up to {max(top, (declared or 0) - 1)} but {vocab_key}="
+            f"{vocab_size}; fix: set {vocab_key} to at least {max(top + 1, declared or 0)}"
         )
     return tokens
