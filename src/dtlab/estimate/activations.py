@@ -203,7 +203,6 @@ def resnet_segments(widths: list[int], layout: tuple[int, ...], in_channels: int
 
 
 # ------------------------------------------------------------------------------ from a config
-MODELLED = ("gpt", "cnn", "resnet")  # the models config_segments describes
 def config_segments(cfg: object, micro: int, mode: str) -> list[Segment]:
     """Segments of a dtlab config's model (dtlab.config.Config) at `micro` samples per rank."""
     from dtlab.data import spec_for

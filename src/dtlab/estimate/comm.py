@@ -86,8 +86,7 @@ def collectives(plan: Plan, units: list[float], precision: Precision, world: int
 
 
 def offload_bytes(plan: Plan, n_params: float, precision: Precision, world: int) -> float:
-    """Host<->device bytes per step of an offloaded layout: the gradient shard copied to the host
-    for the optimizer step there, the updated parameter shard copied back."""
+    """Host<->device bytes per step of offloading: gradient shard out, updated parameters back."""
     return n_params * (precision.grad + precision.weight) / plan.shards(world) if plan.offload else 0.0
 
 

@@ -68,12 +68,11 @@ def model_from_config(path: str | None, overrides: list[str]) -> Model:
         units.append(float(sum(p.numel() for p in block.parameters() if id(p) not in taken)))
         taken |= {id(p) for p in block.parameters()}
     n = float(count_params(model))
-    segments = None if cfg.model.name not in activations.MODELLED else (
+    segments = None if cfg.model.name == "hf" else (  # transformers' blocks are not modelled
         lambda micro, mode: activations.config_segments(cfg, micro, mode))
     return Model(f"{cfg.model.name} ({int(n):,} parameters)", n, [u for u in units if u],
-                 n - sum(units), segments, cfg, (path, list(overrides)),
-                 [] if segments else [f"activations of model.name={cfg.model.name} are not "
-                                      "modelled: state only (measure them with dtlab train)"])
+                 n - sum(units), segments, cfg, (path, list(overrides)), [] if segments else
+                 ["activations of model.name=hf are not modelled: state only (dtlab train)"])
 
 
 def optimizer_of(cfg: Config) -> str:
@@ -129,8 +128,8 @@ class Setup:
 
 
 def activation_mode(precision: Precision, wrapper_casts: bool) -> str:
-    """fp32; `half` when the weights themselves are 16-bit in compute (master-weight training, or
-    FSDP gathering them in 16 bits); else autocast."""
+    """fp32; half when the weights are 16-bit in compute (master weights, 16-bit gathers); else
+    autocast."""
     return "fp32" if not precision.mixed else "half" if precision.master or wrapper_casts else "autocast"
 
 
