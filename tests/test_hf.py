@@ -209,3 +209,13 @@ def test_prepare_train_sample_a_llama(tmp_path: Path) -> None:
     new = out.stdout[len("the "):]
     assert out.stdout.startswith("the ") and len(new) >= 20
     assert sum(c in set("".join(WORDS) + " \n") for c in new) >= 0.8 * len(new), new
+
+
+def test_advice_without_an_activation_model_says_so() -> None:
+    proc = dtlab("advise", "--config", "configs/llama3_8b.yaml", "--gpus", "8", "--gpu-memory",
+                 "80", cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr
+    assert "(activations of model.name=hf are not modelled: state only (dtlab train))" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].endswith(
+        "; activations NOT included (not modelled for this model): measure a step before "
+        "relying on it.")
