@@ -265,6 +265,32 @@ def check_levers(w: Path, out: dict[str, str]) -> None:
     assert runs["blocks"]["compile"] == "blocks"
 
 
+def check_own_model(w: Path, out: dict[str, str]) -> None:
+    runs = w / "runs/guide/own"
+    assert sorted(p.name for p in (w / "models/my-llama").iterdir()) == [
+        "config.json", "model.safetensors"]
+    ref = step_losses(runs / "compare/single")
+    assert ref[0] == pytest.approx(2.11, abs=0.02) and ref[-1] == pytest.approx(1.386624, rel=LOSS_REL)
+    rows = {r["strategy"]: r for r in json.loads((runs / "compare/compare.json").read_text())}
+    assert all(float(r["loss_dev"]) < 1e-6 and float(r["param_dev"]) < 1e-4 for r in rows.values())
+    mem = {s: summary(w, f"runs/guide/own/compare/{s}")["memory_per_rank"] for s in rows}
+    assert mem["single"]["param_bytes"] == [361088 * 4] and mem["fsdp"]["param_bytes"] == [722176] * 2
+    lora = summary(w, "runs/guide/own/lora")
+    assert lora["n_params"] == 368256
+    assert {k: lora["memory_per_rank"][k] for k in ("grad_bytes", "optim_bytes")} == {
+        "grad_bytes": [14336] * 2, "optim_bytes": [28704] * 2}
+    assert mem["fsdp"]["grad_bytes"] == [722176] * 2 and mem["fsdp"]["optim_bytes"] == [1444436] * 2
+    estimate = output_of(out, "dtlab estimate")
+    assert "hf (8,030,261,248 parameters)" in estimate
+    for row in ("ddp                   32.12  32.12    0.00  64.24  128.48  0.00",
+                "fsdp                   4.02   4.02    0.00   8.03   16.06  7.18",
+                "zero1                 32.12  32.12    0.00   8.03   72.27  0.00",
+                "deepspeed:3 (exact)    2.01   2.01    4.02   8.03   16.06  6.08"):
+        assert row in estimate, row
+    assert "advice: zero1 - 72.27 of 80.00 GB per GPU, headroom 7.73 GB" in output_of(
+        out, "dtlab advise")
+
+
 CHECKS: dict[str, Callable[[Path, dict[str, str]], None]] = {
     "02-ddp.md": check_ddp,
     "03-fsdp.md": check_fsdp,
@@ -274,6 +300,7 @@ CHECKS: dict[str, Callable[[Path, dict[str, str]], None]] = {
     "07-communication.md": check_communication,
     "08-failure-modes.md": check_failure_modes,
     "09-levers.md": check_levers,
+    "10-your-own-model.md": check_own_model,
 }
 
 

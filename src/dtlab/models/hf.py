@@ -44,6 +44,7 @@ def require_transformers(what: str = "model.name=hf") -> Any:
 
         transformers.AttentionInterface.register(ATTENTION, sdpa_attention_forward)
         transformers.logging.set_verbosity_error()  # no advice lines from every rank
+        transformers.logging.disable_progress_bar()  # nor a loading bar
     return transformers
 
 
