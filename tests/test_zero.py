@@ -168,7 +168,9 @@ def test_deepspeed_config_contradictions_are_refused(tmp_path: Path) -> None:
     assert 'has a "optimizer" section' in refused({"optimizer": {"type": "Adam"}})
     assert "offload_param needs ZeRO stage 3" in refused({}, "strategy.deepspeed.offload_param=true")
     assert "refuses fp16" in refused({}, "train.precision=fp16")
-    assert "checkpoints are not supported" in refused({}, "train.checkpoint_every=5")
+    # Checkpoints and resume are DeepSpeed's too now (tests/test_deepspeed_checkpoint.py).
+    check_world(load_config(None, ["strategy.name=deepspeed", "run.device=cpu",
+                                   "train.checkpoint_every=5", "resume=none"]), 2)
     with pytest.raises(ConfigError, match="deepspeed:1, :2 or :3"):
         parse_spec("deepspeed:4")
     assert parse_spec("deepspeed:3") == ["strategy.name=deepspeed", "strategy.deepspeed.zero_stage=3"]

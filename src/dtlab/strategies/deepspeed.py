@@ -11,7 +11,8 @@ The config comes from deepspeed_config.py.
 - ZeRO 3: parameters partitioned too: gathered per module for its forward and backward.
 The engine owns the step (DeepSpeedStep below): engine.backward on each micro batch, DeepSpeed's
 global gradient norm for dtlab's non-finite check, engine.step (DeepSpeed clips with
-train.grad_clip and skips a non-finite step by itself). `deepspeed` is imported here only, so
+train.grad_clip and skips a non-finite step by itself). Checkpoints: dtlab's DCP format, with the
+partitions under per-rank keys (deepspeed_checkpoint.py). `deepspeed` is imported here only, so
 dtlab works without the extra.
 """
 
@@ -28,6 +29,7 @@ from torch import nn
 from dtlab.errors import ConfigError
 from dtlab.models import loss_fn
 from dtlab.optim import build_optimizer
+from dtlab.strategies import deepspeed_checkpoint as ds_checkpoint
 from dtlab.strategies.base import DTYPES, LossHook, StepEngine, Strategy
 from dtlab.strategies.deepspeed_config import deepspeed_config
 from dtlab.strategies.deepspeed_memory import held_bytes
@@ -63,13 +65,16 @@ class DeepSpeed(Strategy):
     def setup(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         """The engine, and the torch optimizer it steps over its fp32 partitions (dtlab's LambdaLR
         sets that optimizer's lr; dtlab never steps it directly)."""
+        self.ds_config = deepspeed_config(self.cfg, self.ctx.world_size, self.ctx.device.type)
+        self.layout = ds_checkpoint.layout(self.ds_config, self.ctx.world_size)
+        # Before any collective: a checkpoint of another layout is refused by rank 0, in one line.
+        ds_checkpoint.check_resume(self.cfg, self.layout)
         deepspeed = import_deepspeed(self.ctx.device, self.cfg.strategy.deepspeed.shm_comm)
         env = self.ctx.env  # DeepSpeed asserts LOCAL_RANK is set; a one-process run sets nothing
         for key, value in (("LOCAL_RANK", env.local_rank), ("RANK", env.rank),
                            ("WORLD_SIZE", env.world_size)):
             os.environ.setdefault(key, str(value))
         model = self.prepare(model)
-        self.ds_config = deepspeed_config(self.cfg, self.ctx.world_size, self.ctx.device.type)
         optimizer = build_optimizer(model.parameters(), self.cfg.train)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                config=self.ds_config, dist_init_required=False)
@@ -86,20 +91,19 @@ class DeepSpeed(Strategy):
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                    full: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
-        """full=True: the fp32 master weights gathered into full tensors, with single's keys."""
-        if optimizer is not None or not full:
-            raise ConfigError("checkpoints are not supported with strategy deepspeed; "
-                              "fix: set train.checkpoint_every=0 and resume=none")
-        from deepspeed.utils import safe_get_full_fp32_param
+        """The model: the fp32 master weights gathered into full tensors, with single's keys (every
+        rank takes part). With the optimizer (full=False): this rank's own partitions and their
+        optimizer state, under rank keys (deepspeed_checkpoint.py)."""
+        model_sd = ds_checkpoint.full_model(self.engine)
+        if optimizer is None:
+            return model_sd, {}
+        if full:
+            raise NotImplementedError("deepspeed gives the optimizer state as local partitions only")
+        return model_sd, ds_checkpoint.optim_state(self.engine, self.ctx.rank, self.layout)
 
-        module = self.engine.module
-        params = dict(module.named_parameters())
-        out = {}
-        for name, value in module.state_dict(keep_vars=True).items():
-            if name in params:  # every rank takes part: the partitions are gathered
-                value = safe_get_full_fp32_param(params[name])
-            out[name] = value.detach().float() if value.is_floating_point() else value.detach()
-        return out, {}
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+        ds_checkpoint.load(self.engine, self.stage, self.ctx.rank, model_sd, optim_sd)
 
     def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """The largest bytes per kind seen around the first two optimizer steps (not at the end:

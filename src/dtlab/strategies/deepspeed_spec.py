@@ -35,10 +35,6 @@ def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
 
     micro_batch(cfg, world_size)  # a batch that does not split is the first thing to say
     t = cfg.train
-    if t.checkpoint_every or cfg.resume not in ("auto", "none"):
-        raise ConfigError(
-            "checkpoints are not supported with strategy deepspeed (its ZeRO partitions do not map "
-            "onto dtlab's DCP checkpoints); fix: set train.checkpoint_every=0 and resume=auto|none")
     if t.compile != "none":
         raise ConfigError(f"train.compile={t.compile} with strategy deepspeed is not supported; "
                           "fix: set train.compile=none")
