@@ -26,6 +26,8 @@ from dtlab.config import load_config  # noqa: E402
 
 for _module in ("dtlab.strategies.zero1", "dtlab.strategies.pp", "dtlab.strategies.tp",
                 "torch.distributed.checkpoint._fsspec_filesystem", "deepspeed",
+                # deepspeed.initialize imports its Muon optimizer, which imports inductor: ~1 s
+                "deepspeed.runtime.zero.muon.muon_optimizer",
                 "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
                 "peft"):
     if importlib.util.find_spec(_module.split(".")[0]):  # deepspeed, transformers, peft: extras

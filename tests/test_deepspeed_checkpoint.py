@@ -1,8 +1,8 @@
 """DeepSpeed checkpoints (strategy deepspeed, ZeRO 1, 2 and 3 on 2 real gloo ranks): a run resumed
 from its checkpoint of the middle step continues exactly as the run that never stopped (per-step
 losses, final weights and every saved tensor, optimizer partitions included); `dtlab export` turns
-a deepspeed checkpoint into the run's model; a resume under another ZeRO stage, world size or
-strategy is refused with one line and exit 2."""
+a deepspeed checkpoint into the run's model; a resume under another ZeRO stage, world size,
+partitioning or strategy is refused with one line and exit 2."""
 
 from __future__ import annotations
 
@@ -95,9 +95,10 @@ def refusal(nproc: int, *overrides: str) -> str:
     return lines[0]
 
 
-def test_another_layout_or_strategy_is_refused_in_one_line(uninterrupted: dict[int, Path],
-                                                           tmp_path: Path) -> None:
-    """Refused at set-up, before DeepSpeed starts: by rank 0 alone, exit 2."""
+def test_a_checkpoint_of_another_layout_or_strategy_is_refused(uninterrupted: dict[int, Path],
+                                                              tmp_path: Path) -> None:
+    """deepspeed refuses another layout or strategy at set-up, before DeepSpeed starts: one line
+    from rank 0, exit 2; ddp reading a deepspeed checkpoint: exit 2, without a traceback."""
     ckpt = checkpoint(uninterrupted[2], MID)
     auto = tmp_path / "auto"
     shutil.copytree(ckpt, checkpoint(auto, MID))
@@ -127,3 +128,10 @@ def test_another_layout_or_strategy_is_refused_in_one_line(uninterrupted: dict[i
         f"dtlab: error: checkpoint '{other}' was written by strategy ddp, and strategy deepspeed "
         "resumes only its own checkpoints (its optimizer state is DeepSpeed's per-rank "
         "partitions); fix: resume it with strategy.name=ddp, or start over with resume=none")
+    # The other way round, the optimizer keys another strategy asks for are not there: exit 2 and
+    # DCP's reason in a line per rank, never its tracebacks.
+    proc = ranks.train(2, *TINY, "strategy.name=ddp", run[0], f"resume={ckpt}", "run.progress=false")
+    lines = [x for x in proc.stderr.strip().splitlines() if not x.startswith("[rank ")]
+    assert proc.returncode == 2 and lines and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert all(f"checkpoint '{ckpt}' cannot be loaded into this model: Missing key in checkpoint "
+               "state_dict: optim." in x for x in lines), lines

@@ -5,6 +5,7 @@ checkpoint resumes as the uninterrupted run goes on, and export folds the adapte
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,10 @@ def test_targets_that_name_no_layer_are_one_line(tmp_path: Path) -> None:
             and "fix: choose among down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj,"
             " v_proj" in proc.stderr), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_without_peft_the_extra_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "peft", None)  # import fails as if not installed
+    proc = dtlab("train", *LORA, f"run.dir={tmp_path}")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "dtlab: error: train.lora needs the peft package; fix: pip install 'dtlab[lora]'")

@@ -295,6 +295,7 @@ def dcp_load(tensors: dict[str, Any], path: Path) -> None:
     """dcp.load with its failures turned into one-line CheckpointErrors (DCP wraps the errors of
     each rank into its own exception type, so they are recognised by their text)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     try:  # read the metadata ourselves first: DCP would log a refusal with a traceback and retry
         _safe_reader()(str(path)).read_metadata()
@@ -304,12 +305,18 @@ def dcp_load(tensors: dict[str, Any], path: Path) -> None:
         with warnings.catch_warnings():  # one process: "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(tensors, storage_reader=_safe_reader()(str(path)))
-    except Exception as e:  # noqa: BLE001 - any failure here means: this checkpoint cannot be used
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure here means: this checkpoint cannot be used
         text = str(e)
         refused = re.search(r"[\w.]+ is not allowed in checkpoint metadata", text)
         if refused:
             raise CheckpointError(f"checkpoint '{path}': refused metadata ({refused.group()})") from None
-        first = next((x.strip() for x in text.splitlines() if x.strip()), type(e).__name__)[:300]
+        # DCP's CheckpointException (a BaseException) carries each rank's error and traceback:
+        # the error itself is what to say ("Missing key in checkpoint state_dict: ...").
+        cause = next(iter(getattr(e, "failures", {}).values()), (e,))[0]
+        if not isinstance(cause, Exception):
+            raise cause from None  # an interrupt on a rank, as save_failure.attempt lets it through
+        text = str(cause)
+        first = next((x.strip() for x in text.splitlines() if x.strip()), type(cause).__name__)[:300]
         raise CheckpointError(f"checkpoint '{path}' cannot be loaded into this model: {first}") from None
 
 

@@ -21,15 +21,20 @@ from torch import nn
 from dtlab.errors import ConfigError
 
 
-def apply(model: nn.Module, cfg: Any) -> nn.Module:
-    """Inject `cfg`'s adapters (a LoraConfig section; rank 0 = off) into `model`, in place."""
-    if not cfg.rank:
-        return model
+def require_peft() -> Any:
     try:
         import peft
     except ImportError:
         raise ConfigError("train.lora needs the peft package; fix: pip install 'dtlab[lora]'"
                           ) from None
+    return peft
+
+
+def apply(model: nn.Module, cfg: Any) -> nn.Module:
+    """Inject `cfg`'s adapters (a LoraConfig section; rank 0 = off) into `model`, in place."""
+    if not cfg.rank:
+        return model
+    peft = require_peft()
     config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=list(cfg.targets),
                              lora_dropout=cfg.dropout, bias="none")
     try:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dtlab import activation_checkpoint, checkpoint, files, interrupt, numerics, state
+from dtlab import activation_checkpoint, checkpoint, files, interrupt, lora, numerics, state
 from dtlab.compile import compile_blocks, compiled_forward
 from dtlab.config import (
     Config,
@@ -90,6 +90,8 @@ def check_paths(cfg: Config) -> None:
     """Before any rank starts: the model's source and data.dir can be read, the run directory can
     be written."""
     check_model(cfg.model)
+    if cfg.train.lora.rank:
+        lora.require_peft()
     check_data_dir(cfg)
     files.check_writable_dir(Path(cfg.run.dir or "runs/default"), "run.dir")
 
