@@ -120,7 +120,7 @@ def one(overrides: list[str], micro: int, mode: str, ckpt: bool) -> dict:
     spec = spec_for(cfg)
     torch.manual_seed(0)
     model = build_model(cfg.model, spec).to(dev)
-    x, y = batch(cfg.model.name, spec, micro, dev)
+    x, y = batch(spec, micro, dev)
     traced = saved_bytes(model, x, y, mode)
     if ckpt:
         checkpoint_blocks(model)

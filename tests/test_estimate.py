@@ -330,7 +330,7 @@ def test_saved_activations_equal_autograds(overrides: list[str], micro: int, mod
     spec = spec_for(cfg)
     torch.manual_seed(0)
     model = build_model(cfg.model, spec)
-    x, y = batch(cfg.model.name, spec, micro)
+    x, y = batch(spec, micro)
     if mode == "half":
         model = model.bfloat16()
         x = x.bfloat16() if x.is_floating_point() else x

@@ -219,3 +219,17 @@ def test_advice_without_an_activation_model_says_so() -> None:
     assert proc.stdout.strip().splitlines()[-1].endswith(
         "; activations NOT included (not modelled for this model): measure a step before "
         "relying on it.")
+
+
+def test_the_estimate_measures_what_the_runs_hold(llama: Path) -> None:
+    """`dtlab estimate --config` on an hf model: its torch strategies' state bytes measured
+    under the fake backend, equal to what the 2-rank runs held."""
+    proc = dtlab("estimate", "--world-size", "2", "--strategies", "ddp,fsdp,zero1", "--json",
+                 *LLAMA, *TRAIN, "--config", str(llama / "single" / "config.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["strategy"]: r for r in json.loads(proc.stdout)["rows"]}
+    for spec in ("ddp", "fsdp", "zero1"):
+        held = json.loads((llama / spec / "summary.json").read_text())["memory_per_rank"]
+        assert rows[spec]["source"].startswith("measured"), rows[spec]["source"]
+        for kind in ("param_bytes", "grad_bytes", "optim_bytes"):
+            assert [r[kind] for r in rows[spec]["per_rank"]] == held[kind], (spec, kind)

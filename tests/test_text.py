@@ -206,3 +206,12 @@ def test_sample_refuses_what_it_cannot_use(tmp_path: Path) -> None:
         in proc.stderr
     proc = dtlab("sample", str(tmp_path / "absent"))
     assert proc.returncode == 2 and "RUN_OR_CHECKPOINT" in proc.stderr and "not found" in proc.stderr
+
+
+def test_without_datasets_a_hub_dataset_is_one_line(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if the extra were not installed
+    proc = dtlab("prepare", "someone/corpus", "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "dtlab: error: someone/corpus: a Hugging Face dataset needs the `datasets` package; fix: "
+        "pip install 'dtlab[datasets]', or pass local text files")

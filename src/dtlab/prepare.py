@@ -95,7 +95,7 @@ def _hub_documents(name: str, text_field: str) -> Iterator[str]:
         import datasets
     except ImportError:
         raise ConfigError(f"{name}: a Hugging Face dataset needs the `datasets` package; fix: pip "
-                          "install 'dtlab[hf]', or pass local text files") from None
+                          "install 'dtlab[datasets]', or pass local text files") from None
     try:
         data = datasets.load_dataset(name, split="train", streaming=True)
     except Exception as e:  # offline, unknown name, private: the library's own exception types

@@ -91,7 +91,7 @@ def measure_rank(cfg: Config, rank: int, world: int, ranks_per_node: int,
         if hasattr(strategy, "stage_ids"):
             stages_forward_backward(strategy, device)
         else:  # one sample: state bytes do not depend on the batch
-            x, y = batch(cfg.model.name, spec_for(cfg), 1, device)
+            x, y = batch(spec_for(cfg), 1, device)
             engine.micro_step(x, y, lambda loss: (loss, loss), sync=True)
         engine.step()
         return {**strategy.state_bytes(model, optimizer), "rank": rank}, shares(model, optimizer)
@@ -178,10 +178,10 @@ def measure(cfg: Config, world: int, ranks_per_node: int, device: str = "cpu",
         raise NotMeasured(str(e)) from None
 
 
-def batch(model_kind: str, spec: Any, micro: int, device: torch.device | str = "cpu",
+def batch(spec: Any, micro: int, device: torch.device | str = "cpu",
           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    if model_kind == "gpt":
+    if spec.kind == "tokens":
         x, y = (torch.randint(0, spec.vocab_size, (micro, spec.seq_len), generator=g) for _ in "xy")
     else:
         x = torch.randn(micro, spec.in_channels, spec.image_size, spec.image_size, generator=g)
