@@ -233,3 +233,11 @@ def test_the_estimate_measures_what_the_runs_hold(llama: Path) -> None:
         assert rows[spec]["source"].startswith("measured"), rows[spec]["source"]
         for kind in ("param_bytes", "grad_bytes", "optim_bytes"):
             assert [r[kind] for r in rows[spec]["per_rank"]] == held[kind], (spec, kind)
+
+
+def test_bf16_parameters_hold_two_bytes_each(tmp_path: Path) -> None:
+    s = train(tmp_path / "bf16", *LLAMA, *TRAIN, "model.hf.dtype=bf16", "train.max_steps=2")
+    mem = s["memory_per_rank"]
+    assert mem["param_bytes"] == mem["grad_bytes"] == [2 * s["n_params"]]
+    assert mem["optim_bytes"] == [2 * s["n_params"]]  # SGD momentum, in the parameters' dtype
+    assert 0 < s["final_train_loss"] < 10
