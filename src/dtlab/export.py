@@ -100,10 +100,12 @@ def export_hf(path: Path, out: Path, max_shard_bytes: int) -> Path:
     config, tensors = layout(model_cfg, lora.plain(CheckpointTensors(path), cfg.train.lora))
 
     def write(tmp: Path) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)  # a draft an interrupted export left
+        tmp.mkdir(parents=True)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_shards(tensors, tmp, max_shard_bytes)
 
-    _write_dir_whole(out, write)
+    files.write_whole(out, write, f"writing '{out}'", "-o")
     return out
 
 
@@ -193,20 +195,3 @@ def _umask() -> int:
     os.umask(mask)
     return mask
 
-
-def _write_dir_whole(out: Path, write: Callable[[Path], object]) -> None:
-    """write(tmp) into a hidden directory beside `out`, then rename it to `out` (missing or empty):
-    the directory appears whole or not at all. (files.write_whole is for files: it would leave a
-    directory behind on failure.) A refused write is one DtlabError naming the cause."""
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an earlier export by this pid
-        tmp.mkdir(parents=True)
-        write(tmp)
-        os.replace(tmp, out)  # rename(2) replaces an empty directory
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        error = files.os_error_in(e) if isinstance(e, Exception) else None
-        if error is None:
-            raise
-        raise DtlabError(files.describe(error, f"writing '{out}'", "-o")) from None

@@ -143,17 +143,21 @@ def close_quietly(f: object) -> None:
 
 
 def replace_whole(path: Path, write: Callable[[Path], object]) -> None:
-    """`write(tmp)` to a file beside `path`, then rename it: the file is written whole or not at
-    all (an earlier one stays until then). On failure the temporary file is removed and the
-    error raised as it came."""
+    """`write(tmp)` to a file (or a directory it makes) beside `path`, then rename it: the file
+    is written whole or not at all (an earlier one stays until then; a directory replaces a
+    missing or empty one). On failure the temporary file or directory is removed and the error
+    raised as it came."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
         write(tmp)
         os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
         raise
 
 
