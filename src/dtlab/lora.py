@@ -6,8 +6,8 @@ strategy wraps it, so the blocks stay the sharding, checkpointing and compiling 
 strategies see an ordinary module whose frozen parameters need no gradient, no gradient
 reduction and no optimizer state: the state bytes of a run show the adapters alone. An adapted
 layer's weight is renamed `<layer>.base_layer.weight` beside `<layer>.lora_A.default.weight` and
-`lora_B`; checkpoints hold both, so a run resumes as any other. `merged` folds the adapters into
-the weights (W + alpha / rank * B @ A) for export, giving the plain model's names.
+`lora_B`; checkpoints hold both, so a run resumes as any other. `plain` (a `Merged` view) folds
+the adapters into the weights (W + alpha / rank * B @ A) for export, under the plain model's names.
 """
 
 from __future__ import annotations

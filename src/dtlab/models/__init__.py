@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtlab import lora as adapters
 from dtlab.config import ModelConfig
 from dtlab.data import DataSpec
 from dtlab.models.cnn import SimpleCNN
@@ -23,11 +24,7 @@ __all__ = [
 def build_model(cfg: ModelConfig, spec: DataSpec, lora: Any = None) -> nn.Module:
     """The model of `cfg` for data `spec`, with `lora`'s adapters (train.lora) when on."""
     model = _build(cfg, spec)
-    if lora is not None and lora.rank:
-        from dtlab import lora as adapters
-
-        adapters.apply(model, lora)
-    return model
+    return model if lora is None else adapters.apply(model, lora)  # rank 0: unchanged
 
 
 def _build(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
