@@ -4,7 +4,7 @@
 # doctor; loss parity single vs ddp/fsdp/fsdp1/zero1 over NCCL (world size 1); a larger GPT in fp32
 # and bf16 (throughput, CUDA peak memory, precision_step.py's kernel profile); stop at step 30 and resume from the step-20 checkpoint
 # (losses must equal the uninterrupted run's); export; activation memory vs CUDA peak; and the
-# refusal of two ranks on one GPU. Each command's output goes to OUTDIR/log.txt; results beside it.
+# refusal of two ranks on one GPU; a memory snapshot, a profiler window and a real OOM. Each command's output goes to OUTDIR/log.txt; results beside it.
 # docs/benchmarks.md#one-gpu records what it printed on an H100.
 set -u
 out=${1:?usage: benchmarks/gpu_node.sh OUTDIR}
@@ -40,6 +40,16 @@ print(f'stopped and resumed vs uninterrupted, {len(cut)} steps: largest relative
   step $DT export "$out/ck_full/checkpoints/step_000040" -o "$out/ck_full/model.safetensors"
   # activations: estimate vs CUDA peak (max_memory_allocated growth)
   step python3 benchmarks/activation_memory.py --json "$out/activation_memory_cuda.json"
+  # where the memory goes (issue 17): the allocator's history over steps 3-4 of the GPT-2-small-
+  # sized run, a profiler window with its step table, the one-page report; then a real OOM (a
+  # micro batch of 512 x 1024 tokens) must stop with one line and leave memory/oom_rank0.*
+  step $DT train $GPT $BIG train.precision=bf16 train.max_steps=6 run.memory_snapshot.start=3 \
+    run.memory_snapshot.steps=2 run.profile.start=5 run.profile.steps=2 run.dir="$out/snapshot"
+  step ls -la "$out/snapshot/memory" "$out/snapshot/profile"
+  step $DT report "$out/snapshot"
+  step $DT train $GPT $BIG train.precision=bf16 train.global_batch_size=512 train.max_steps=2 \
+    data.synthetic.train_samples=1024 run.dir="$out/oom"
+  step ls -la "$out/oom/memory"
   # two ranks, one GPU: refused with exit 2; on the CPU (gloo) the same command runs
   step $DT train --nproc-per-node 2 strategy.name=ddp train.max_steps=2 run.dir="$out/two_on_one"
   step $DT train --nproc-per-node 2 strategy.name=ddp train.max_steps=2 run.device=cpu run.dir="$out/two_on_cpu"

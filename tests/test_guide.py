@@ -126,6 +126,22 @@ def output_of(out: dict[str, str], *parts: str) -> str:
 def check_failure_modes(w: Path, out: dict[str, str]) -> None:
     hang = output_of(out, "run.fault.kind=hang")
     assert "a collective failed at step 5 on rank 0" in hang and "rank(s) [1] stopped" in hang
+    oom = output_of(out, "run.fault.kind=oom")
+    assert ("out of memory at step 3 on rank 0 (CUDA out of memory. Tried to allocate 2.00 GiB "
+            "(injected by run.fault.kind=oom at step 3)); this rank held parameters 0.5 MiB, "
+            "gradients 0.5 MiB, optimizer state 0.5 MiB; no allocator snapshot on CPU") in oom
+    peak = summary(w, "runs/guide/memory")["profile"]["memory_peak_by_category"]
+    assert (peak["parameter"], peak["gradient"], peak["optimizer_state"]) == (547496,) * 3
+    assert peak["activation"] == pytest.approx(6815756, rel=0.05)
+    assert 50331648 < peak["input"] < 50331648 * 1.02
+    assert "report: runs/guide/memory/report.html" in output_of(out, "report runs/guide/memory")
+    verdict = output_of(out, "doctor hang runs/guide/hang")
+    assert "flight recorder of runs/guide/hang: 2 of 2 rank(s) dumped" in verdict
+    assert re.search(r"rank 1: #(\d+) gloo:all_reduce, input \[\[1\]\] Int \(4 bytes\)", verdict)
+    last = int(re.search(r"rank 1: #(\d+)", verdict).group(1))
+    assert (f"verdict: rank(s) [1] never entered collective #{last + 1} (gloo:all_reduce, input "
+            "[[136874]] Float (547,496 bytes)); rank(s) [0] entered it") in verdict
+    assert f"collective #{last + 1} (gloo:all_reduce, group 0:default_pg): missing ranks [1]" in verdict
     assert "steps lost since that checkpoint: 6" in output_of(out, "runs/guide/killed", "train.max_steps=40 train.checkpoint_every=10 run.dir")
     restarted = summary(w, "runs/guide/restarted")
     killed = summary(w, "runs/guide/killed")

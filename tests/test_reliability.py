@@ -160,6 +160,19 @@ def test_a_hung_rank_is_named_and_nothing_is_left(tmp_path: Path) -> None:
     assert "rank(s) [1] stopped taking part" in proc.stderr
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
     assert left.stdout.strip() == ""
+    # Both ranks dumped their flight recorder: rank 0 on the timeout, rank 1 when it was stopped.
+    assert sorted(p.name for p in (tmp_path / "flight_recorder").iterdir()) == [
+        "rank0.json", "rank1.json"]
+    seq = {r: json.loads((tmp_path / "flight_recorder" / f"rank{r}.json").read_text())
+           ["entries"][-1]["collective_seq_id"] for r in (0, 1)}
+    assert seq[0] == seq[1] + 1  # rank 0 entered one collective more: the one it waited in
+    verdict = dtlab("doctor", "hang", str(tmp_path))
+    assert verdict.returncode == 0, verdict.stderr
+    # the verdict names rank 1, the collective's number and its op: DDP's gradient all-reduce
+    assert (f"verdict: rank(s) [1] never entered collective #{seq[0]} (gloo:all_reduce, input "
+            "[[136874]] Float (547,496 bytes)); rank(s) [0] entered it") in verdict.stdout
+    assert f"collective #{seq[0]} (gloo:all_reduce, group 0:default_pg): missing ranks [1]" \
+        in verdict.stdout  # PyTorch's own analysis agrees
 
 
 # FSDP: the norm is reduced over the shards. DDP's stop is exercised by guide chapter 08

@@ -106,8 +106,16 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from dtlab.results import write_outputs
+    from dtlab.results.run_report import is_run_dir, write_run_report
 
-    root = input_dir("DIR", args.dir, "pass the directory of a sweep or a compare")
+    root = input_dir("DIR", args.dir, "pass the directory of a sweep, a compare or one run")
+    if is_run_dir(root):  # one run: its own report; a sweep holds its runs one level down
+        if args.comm:
+            raise DtlabError(f"--comm adds collective benchmarks to a sweep's report, and '{root}' "
+                             "is one run; fix: drop --comm, or pass the sweep's directory")
+        output = output_file("-o/--output", args.output, "report.html") if args.output else None
+        print(f"report: {write_run_report(root, output)}")
+        return 0
     for path in args.comm:
         input_file("--comm", path, "write it with `dtlab comm --csv comm.csv`")
     output = output_file("-o/--output", args.output, "report.html") if args.output else None
@@ -146,6 +154,18 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from dtlab.doctor import run_doctor
 
+    if args.check == "hang":
+        from dtlab.doctor.hang import report as hang_report
+
+        if args.run_dir is None:
+            raise DtlabError("dtlab doctor hang needs the run's directory; fix: dtlab doctor "
+                             "hang RUN_DIR (the run.dir of the run that hung)")
+        print(hang_report(input_dir("RUN_DIR", args.run_dir, "pass the run.dir of the run "
+                                    "that hung")))
+        return 0
+    if args.run_dir is not None:
+        raise DtlabError(f"dtlab doctor takes no directory (got '{args.run_dir}'); fix: dtlab "
+                         "doctor, or dtlab doctor hang RUN_DIR")
     return run_doctor(args.json, args.nproc_per_node, args.timeout, smoke=not args.no_smoke)
 
 
@@ -209,8 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory for the PNG and SVG figures and index.json")
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser("report", help="results.csv, plots and one self-contained report.html")
-    p.add_argument("dir", metavar="DIR", help="directory of a sweep or a compare")
+    p = sub.add_parser("report", help="one self-contained report.html (a sweep or compare: "
+                       "with results.csv and plots)")
+    p.add_argument("dir", metavar="DIR", help="DIR: a sweep, a compare, or one run directory")
     p.add_argument("-o", "--output", metavar="HTML", help="report file (default: DIR/report.html)")
     p.add_argument("--comm", nargs="*", default=[], metavar="COMM_CSV",
                    help="collective-benchmark CSVs written by `dtlab comm --csv`")
@@ -267,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="check torch, backends, devices, environment, network and "
                        "a 2-rank collective; each problem with its cause and fix (exit 1 on failure)")
+    p.add_argument("check", nargs="?", choices=["hang"],
+                   help="hang RUN_DIR: which rank stopped at which collective, from the "
+                   "flight-recorder dumps of a failed or stopped run")
+    p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--nproc-per-node", type=integer(1, "--nproc-per-node 2"), metavar="N",
                    help="ranks per node to check for (default: LOCAL_WORLD_SIZE, else one per "

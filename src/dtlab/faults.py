@@ -33,6 +33,10 @@ class Fault:
             while True:
                 time.sleep(3600)
 
+        if self.kind == "oom":  # what the allocator raises when a step does not fit
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB "
+                                         f"(injected by run.fault.kind=oom at step {step})")
+
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         if self.kind == "nan" and step == self.step:
             return loss * float("nan")

@@ -17,13 +17,17 @@ import statistics
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 from torch import nn
 
 from dtlab import files
 from dtlab.errors import DtlabError, RunError
+
+if TYPE_CHECKING:
+    from dtlab.config import Config
+    from dtlab.run_state import RunState, Training
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -242,3 +246,19 @@ SUMMARY_LINE = (
     "strategy", "world_size", "steps", "median_step_time_s", "samples_per_s", "tokens_per_s",
     "final_train_loss", "val_loss", "val_acc", "wall_time_s", "tflops_per_rank", "mfu",
 )
+
+
+def log_step(cfg: Config, tr: Training, run: RunState, step_loss: torch.Tensor, lr: float,
+             log: MetricsLog) -> None:
+    """Every run.log_every steps (and the last): the loss over the global batch and the speed."""
+    step, step_time = run.step, run.step_times[-1]
+    if step % cfg.run.log_every == 0 or run.done:
+        run.last_loss = tr.strategy.mean_loss(step_loss)
+        samples_per_s = cfg.train.global_batch_size / step_time
+        record = {"step": step, "epoch": run.epoch, "loss": run.last_loss, "lr": lr,
+                  "step_time_s": step_time, "data_time_s": run.data_times[-1],
+                  "samples_per_s": samples_per_s}
+        if tr.spec.kind == "tokens":
+            record["tokens_per_s"] = samples_per_s * tr.spec.seq_len
+        log.log(record)
+    log.advance(step)

@@ -24,7 +24,16 @@ from typing import Any
 
 import torch
 
-from dtlab import activation_checkpoint, checkpoint, files, interrupt, lora, numerics, state
+from dtlab import (
+    activation_checkpoint,
+    checkpoint,
+    files,
+    flight_recorder,
+    interrupt,
+    lora,
+    numerics,
+    state,
+)
 from dtlab.compile import compile_blocks, compiled_forward
 from dtlab.config import (
     Config,
@@ -45,9 +54,11 @@ from dtlab.distributed import (
 from dtlab.errors import ConfigError, DtlabError, PeerError, RunError
 from dtlab.faults import Fault
 from dtlab.interrupt import Interrupted
-from dtlab.metrics import MetricsLog
+from dtlab.memory_snapshot import out_of_memory
+from dtlab.metrics import MetricsLog, log_step
 from dtlab.models import build_model, check_model, count_params, memory_format
 from dtlab.optim import build_scheduler
+from dtlab.profile_window import windows
 from dtlab.run_state import RunState, Training
 from dtlab.run_stop import STOP_DEADLINE_S, last_checkpoint, record_stop, stop_at_boundary
 from dtlab.step import Stepper
@@ -106,8 +117,14 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
         summary = _train(cfg, ctx, run_dir)
     except Interrupted as e:
         e.where = e.where or f" during set-up{last_checkpoint(cfg, run_dir)}"
+        flight_recorder.dump(run_dir, ctx.rank, ctx.world_size, e.line().removeprefix("dtlab: "))
         if ctx.is_main and not e.quiet:
             record_stop(run_dir, e)
+        raise
+    except ConfigError:  # the same mistake on every rank, said before any collective
+        raise
+    except Exception as e:
+        flight_recorder.dump(run_dir, ctx.rank, ctx.world_size, str(e).strip().split("\n")[0])
         raise
     if ctx.is_main:
         record_stop(run_dir, None)
@@ -130,6 +147,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
         run.start = state.load(path, cfg, ctx, tr)["step"]
         run.step, run.resumed_from = run.start, path
         tr.stepper.step_number = run.start
+    profiler, snapshot = windows(cfg, run_dir, ctx, run.total_steps, run.start)
     log = MetricsLog(run_dir, ctx.is_main, run.total_steps, cfg.run.progress, cfg.run.tensorboard,
                      resume_step=run.start if path is not None else None)
     run.lost_steps = log.lost_steps
@@ -154,17 +172,19 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
             for epoch, step_idx in islice(loader.steps(run.start),
                                           max(0, run.total_steps - run.start)):
                 step = run.begin_step(epoch)
-                fault.before_step(step)
-                t0 = time.perf_counter()
-                lr = tr.scheduler.get_last_lr()[0]
-                batches = [train_set.batch(i) for i in step_idx]
-                if run.usage is not None:
-                    run.usage.add(step_idx)
-                ctx.synchronize()
-                data_time = time.perf_counter() - t0
-                step_loss = tr.stepper(batches)
-                ctx.synchronize()
-                run.record_step(time.perf_counter() - t0, data_time)
+                with profiler.step(step), snapshot.step(step):
+                    fault.before_step(step)
+                    t0 = time.perf_counter()
+                    lr = tr.scheduler.get_last_lr()[0]
+                    with profiler.region("data"):
+                        batches = [train_set.batch(i) for i in step_idx]
+                        if run.usage is not None:
+                            run.usage.add(step_idx)
+                        ctx.synchronize()
+                    data_time = time.perf_counter() - t0
+                    step_loss = tr.stepper(batches)
+                    ctx.synchronize()
+                    run.record_step(time.perf_counter() - t0, data_time)
                 log_step(cfg, tr, run, step_loss, lr, log)
                 saved = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
                 with interrupt.busy():
@@ -185,6 +205,9 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
         if cfg.train.checkpoint_every and \
                 not (checkpoint.checkpoint_root(run_dir) / f"step_{run.step:06d}").is_dir():
             state.save(cfg, ctx, tr, run)  # the end of the run (or of a resumed run, here in run.dir)
+    except torch.OutOfMemoryError as e:
+        raise RunError(out_of_memory(e, run.step, ctx, tr.model, tr.optimizer, run_dir,
+                                     snapshot)) from None
     except RuntimeError as e:
         if ctx.world_size > 1 and is_comm_failure(e):
             interrupt.mark_collateral()  # a stop from here on is explained by the failed rank
@@ -200,9 +223,15 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
         raise
     finally:
         log.close()  # the progress bar too: the terminal is left clean
+        profiler.close(complete=False)  # a run stopped inside the window: its trace so far
+        snapshot.stop()
 
     try:
         summary = summarize(cfg, ctx, tr, run)
+        if profiler.result:
+            summary["profile"] = profiler.result
+        if snapshot.files:
+            summary["memory_snapshot"] = snapshot.files
         if cfg.run.save_model:
             save_model(strategy, tr.model, run_dir / "model.safetensors", ctx)
         if cfg.run.comm_breakdown and ctx.world_size > 1:  # after training: it changes the model
@@ -218,22 +247,6 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
     finally:
         log.close()
     return summary
-
-
-def log_step(cfg: Config, tr: Training, run: RunState, step_loss: torch.Tensor, lr: float,
-             log: MetricsLog) -> None:
-    """Every run.log_every steps (and the last): the loss over the global batch and the speed."""
-    step, step_time = run.step, run.step_times[-1]
-    if step % cfg.run.log_every == 0 or run.done:
-        run.last_loss = tr.strategy.mean_loss(step_loss)
-        samples_per_s = cfg.train.global_batch_size / step_time
-        record = {"step": step, "epoch": run.epoch, "loss": run.last_loss, "lr": lr,
-                  "step_time_s": step_time, "data_time_s": run.data_times[-1],
-                  "samples_per_s": samples_per_s}
-        if tr.spec.kind == "tokens":
-            record["tokens_per_s"] = samples_per_s * tr.spec.seq_len
-        log.log(record)
-    log.advance(step)
 
 
 def run(config: str | None, overrides: list[str]) -> int:
@@ -258,6 +271,8 @@ def _run(config: str | None, overrides: list[str], env: Any) -> int:
         return 2
     try:
         r = cfg.run
+        flight_recorder.enable(r.flight_recorder if env.world_size > 1 else 0,
+                               Path(r.dir or "runs/default"), r.device)
         with distributed(r.device, r.backend, r.timeout_s, r.threads,
                          need_group=not registry.of(cfg).one_process, env=env,
                          destroy=not cfg.lab.no_destroy_process_group) as ctx:

@@ -20,7 +20,9 @@ from dtlab.config.schema import (
     FaultConfig,
     GPTConfig,
     HFConfig,
+    MemorySnapshotConfig,
     ModelConfig,
+    ProfileConfig,
     ResNetConfig,
     RunConfig,
     StrategyConfig,
@@ -38,7 +40,8 @@ from dtlab.errors import ConfigError
 
 __all__ = [
     "STRATEGIES", "CNNConfig", "Config", "ConfigError", "DataConfig", "FaultConfig",
-    "GPTConfig", "HFConfig", "LANGUAGE_MODELS", "ModelConfig", "ResNetConfig", "RunConfig", "StrategyConfig", "SyntheticConfig",
+    "GPTConfig", "HFConfig", "LANGUAGE_MODELS", "MemorySnapshotConfig", "ModelConfig",
+    "ProfileConfig", "ResNetConfig", "RunConfig", "StrategyConfig", "SyntheticConfig",
     "TrainConfig", "apply_override", "check_value", "check_environment", "check_world", "data_parallel_size",
     "format_validation_error", "micro_batch", "model_parallel_size",
     "load_config", "parse_value", "read_yaml", "to_yaml", "valid_keys",

@@ -218,9 +218,29 @@ StrategyConfig = create_model(
 class FaultConfig(Section):
     """Fault injection, for testing recovery: fires once, on one rank, in the first attempt."""
 
-    kind: Literal["none", "kill", "exit", "hang", "nan", "kill_in_save"] = "none"
+    kind: Literal["none", "kill", "exit", "hang", "nan", "kill_in_save", "oom"] = "none"
     step: PositiveInt = 1
     rank: NonNegativeInt = 0
+
+
+class ProfileConfig(Section):
+    """A torch.profiler window over steps [start, start + steps) of the run: a trace per rank and
+    the step split into data, compute, optimizer and communication (dtlab/profile_window.py)."""
+
+    start: PositiveInt = 5  # after the first steps' warm-up
+    steps: NonNegativeInt = 0  # 0 = off
+    memory: bool = False  # every allocation, and the memory timeline by category
+    record_shapes: bool = False
+    with_stack: bool = False
+
+
+class MemorySnapshotConfig(Section):
+    """CUDA: the allocator's history over steps [start, start + steps), for PyTorch's memory
+    viewer (dtlab/memory_snapshot.py). On CPU the profiler's memory timeline is written instead."""
+
+    start: PositiveInt = 2  # the first step allocates the optimizer state
+    steps: NonNegativeInt = 0  # 0 = off
+    max_entries: PositiveInt = 100_000  # allocations and frees kept
 
 
 class LabConfig(Section):
@@ -250,6 +270,11 @@ class RunConfig(Section):
     breakdown_steps: int = Field(12, ge=2)  # steps per breakdown phase (the first is a warm-up)
     profile_trace: bool = False  # with comm_breakdown: Chrome/Perfetto trace_rank<r>.json
     fault: FaultConfig = Field(default_factory=FaultConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    memory_snapshot: MemorySnapshotConfig = Field(default_factory=MemorySnapshotConfig)
+    # collectives each rank remembers, written to RUN_DIR/flight_recorder/ when a run fails or is
+    # stopped (dtlab/flight_recorder.py); 0 = off
+    flight_recorder: NonNegativeInt = 2000
     # Also save a checkpoint and stop on this signal (SIGTERM always does), e.g. USR1 with
     # `sbatch --signal=USR1@90`: docs/reliability.md#signals
     checkpoint_signal: Literal["USR1", "USR2"] | None = None

@@ -1,0 +1,164 @@
+"""`dtlab doctor hang RUN_DIR`: which rank stopped at which collective, from the flight-recorder
+dumps a failed or stopped run left in RUN_DIR/flight_recorder (dtlab/flight_recorder.py).
+
+Collectives are numbered per process group (`collective_seq_id`) in the order each rank issued
+them, so in a hang the ranks that stopped taking part have the lowest last number: the next number
+is the collective they never entered, and the ranks that have it are the ones that waited in it.
+PyTorch's own analysis (torch.distributed.flight_recorder, what `torchfrtrace` runs) matches the
+same entries across ranks; its findings are printed beside this verdict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import io
+import json
+import logging
+import math
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+from dtlab.errors import DtlabError
+from dtlab.flight_recorder import DIR, NCCL_PREFIX
+
+ELEMENT_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4,
+                 "Short": 2, "Byte": 1, "Char": 1, "Bool": 1}
+
+
+class _PlainData(pickle.Unpickler):
+    """NCCL's watchdog writes pickles of plain dicts, lists and numbers: anything else is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refusing {module}.{name}: a dump holds plain data only")
+
+
+def read_dumps(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """rank -> its dump: dtlab's rank<r>.json, else NCCL's own nccl_rank<r> (written at a timeout)."""
+    folder = run_dir / DIR
+    dumps: dict[int, dict[str, Any]] = {}
+    for path in sorted(folder.glob(f"{NCCL_PREFIX}*")) + sorted(folder.glob("rank*.json")):
+        m = re.fullmatch(rf"(?:{NCCL_PREFIX}|rank)(\d+)(\.json)?", path.name)
+        if not m:
+            continue
+        try:
+            if path.suffix == ".json":
+                dump = json.loads(path.read_text())
+            else:
+                with open(path, "rb") as f:
+                    dump = _PlainData(f).load()
+        except (OSError, ValueError, pickle.UnpicklingError, EOFError) as e:
+            raise DtlabError(f"cannot read the flight-recorder dump '{path}' ({e}); fix: delete "
+                             "it and run again (a dump cut short by a kill is unreadable)") from None
+        if isinstance(dump, dict) and "entries" in dump:
+            dumps[int(m.group(1))] = dump
+    return dumps
+
+
+def describe(entry: dict[str, Any]) -> str:
+    sizes, dtypes = entry.get("input_sizes") or [], entry.get("input_dtypes") or []
+    nbytes = sum(math.prod(s) * ELEMENT_BYTES.get(d, 4) for s, d in zip(sizes, dtypes, strict=False))
+    dtype = f" {dtypes[0]}" if dtypes else ""
+    return f"{entry['profiling_name']}, input {sizes}{dtype} ({nbytes:,} bytes)"
+
+
+def collectives_of(dump: dict[str, Any], group: str) -> dict[int, dict[str, Any]]:
+    return {e["collective_seq_id"]: e for e in dump["entries"]
+            if e["process_group"][0] == group and not e.get("is_p2p")}
+
+
+def verdict(dumps: dict[int, dict[str, Any]], group: str, info: dict[str, str]) -> list[str]:
+    """The lines about one process group: each rank's last collective, and who stopped where."""
+    members = [int(r) for r in re.findall(r"\d+", info.get("ranks", ""))] or sorted(dumps)
+    seen = {r: collectives_of(dumps[r], group) for r in members if r in dumps}
+    if not any(seen.values()):
+        return []
+    name = f"group {group} ({info.get('desc') or 'undefined'}, ranks {members})"
+    lines = [f"{name}: the last collective each rank entered",
+             *(f"  rank {r}: " + (f"#{max(c)} {describe(c[max(c)])}" if c else "none")
+               for r, c in sorted(seen.items()))]
+    missing = [r for r in members if r not in dumps]
+    last = {r: max(c, default=0) for r, c in seen.items()}
+    behind = sorted(r for r, n in last.items() if n == min(last.values()))
+    ahead = sorted(set(last) - set(behind))
+    if not ahead:
+        ops = {describe(c[last[r]]) for r, c in seen.items()}
+        lines.append(f"  all ranks entered #{min(last.values())}" + (
+            ": none is behind in this group" if len(ops) == 1 else
+            f", but not the same collective: the ranks disagree ({' | '.join(sorted(ops))})"))
+    else:
+        nxt = min(last.values()) + 1
+        entry = next((seen[r][nxt] for r in ahead if nxt in seen[r]), None)
+        what = describe(entry) if entry else "not in the ranks' buffers any more"
+        waits = [f"rank {r} {waited(dumps[r], seen[r][nxt])}" for r in ahead if nxt in seen[r]]
+        lines.append(f"  verdict: rank(s) {behind} never entered collective #{nxt} ({what}); "
+                     f"rank(s) {ahead} entered it and waited for them"
+                     + (f" ({', '.join(waits)})" if waits else ""))
+    if missing:
+        lines.append(f"  rank(s) {missing} left no dump: killed before they could write one "
+                     "(SIGKILL, the OOM killer, a crash in C++): suspect them first")
+    return lines
+
+
+def waited(dump: dict[str, Any], entry: dict[str, Any]) -> str:
+    """From entering the collective to the dump, when both times are known."""
+    head = dump.get("dtlab")
+    if not head or not entry.get("time_created_ns"):
+        return "until it failed"
+    seconds = datetime.datetime.fromisoformat(head["time"]).timestamp() - entry["time_created_ns"] / 1e9
+    return f"{seconds:.1f} s until its dump"
+
+
+def first_clause(reason: str) -> str:
+    """A stop's reason without the advice that follows it (the run's output has that)."""
+    return re.split(r"; see their output|\. fix: |; fix: |; no checkpoint|; last checkpoint",
+                    reason)[0]
+
+
+def pytorch_analysis(dumps: dict[int, dict[str, Any]]) -> list[str]:
+    """PyTorch's matching of the same dumps: the collectives it found incomplete or mismatched."""
+    # Its logger warns on import when `tabulate` is missing, and logs what is printed below.
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        from torch.distributed.flight_recorder.components.builder import build_db
+        from torch.distributed.flight_recorder.components.config_manager import JobConfig
+
+    details = {f"rank{r}": {"host_name": f"rank{r}", "rank": r, "entries": d["entries"],
+                            "version": d["version"], "pg_config": d["pg_config"]}
+               for r, d in dumps.items()}
+    args = JobConfig().parse_args(["unused", "--allow-incomplete-ranks"])
+    logging.getLogger("Flight Recorder").setLevel(logging.CRITICAL)  # its findings are below
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            db = build_db(copy.deepcopy(details), args, str(next(iter(dumps.values()))["version"]))
+    except Exception as e:  # noqa: BLE001 - a format it does not know: dtlab's verdict stands
+        return [f"PyTorch's flight-recorder analysis could not read these dumps: {e}"]
+    found = [f"  collective #{c.collective_seq_id} ({c.collective_name}, group {c.pg_desc}): "
+             + (f"missing ranks {sorted(c.missing_ranks)}" if c.missing_ranks else
+                f"mismatch: {c.type_of_mismatch}")
+             for c in db.collectives if c.missing_ranks or c.type_of_mismatch]
+    return ["PyTorch's flight-recorder analysis (torch.distributed.flight_recorder):",
+            *(found or ["  every collective in the buffers was entered by all its ranks"])]
+
+
+def report(run_dir: Path, world_size: int | None = None) -> str:
+    dumps = read_dumps(run_dir)
+    if not dumps:
+        raise DtlabError(f"no flight-recorder dumps in '{run_dir / DIR}'; they are written when "
+                         "a distributed run fails or is stopped; fix: pass the run directory "
+                         "(run.dir) of such a run, with run.flight_recorder > 0")
+    world = world_size or max(d.get("dtlab", {}).get("world_size", 0) for d in dumps.values()) \
+        or max(dumps) + 1
+    lines = [f"flight recorder of {run_dir}: {len(dumps)} of {world} rank(s) dumped"]
+    for r, d in sorted(dumps.items()):
+        head = d.get("dtlab")
+        why = f"{head['time'][:19]}Z: {first_clause(head['reason'])}" if head else "written by NCCL's watchdog"
+        lines.append(f"  rank {r} ({why})")
+    groups: dict[str, dict[str, str]] = {}
+    for d in dumps.values():
+        groups.update(d.get("pg_config") or {})
+    for group in sorted(groups, key=lambda g: (len(g), g)):
+        lines += verdict(dumps, group, groups[group])
+    return "\n".join(lines + pytorch_analysis(dumps))
