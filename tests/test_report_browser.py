@@ -57,12 +57,20 @@ def test_run_report_renders_in_headless_chromium(local_sweep, tmp_path: Path) ->
     run = next(p.parent for p in sorted(out.rglob("summary.json"))
                if json.loads(p.read_text())["world_size"] == 2
                and json.loads(p.read_text())["strategy"] == "ddp")
+    # with a profiler window's table (as run.profile writes it: tests/test_profile.py)
+    run = Path(shutil.copytree(run, tmp_path / "run"))
+    summary = json.loads((run / "summary.json").read_text())
+    row = {"step_s": 0.02, "data_s": 0.001, "compute_s": 0.012, "optimizer_s": 0.001,
+           "exposed_comm_s": 0.004, "other_s": 0.002, "comm_s": 0.005, "overlapped_comm_s": 0.001}
+    summary["profile"] = {"steps": [5], "table": [{"step": 5, **row}], "median": row,
+                          "traces": ["profile/trace_rank0.json", "profile/trace_rank1.json"]}
+    (run / "summary.json").write_text(json.dumps(summary))
     report = tmp_path / "run.html"
     proc = dtlab("report", str(run), "-o", str(report))
     assert proc.returncode == 0, proc.stderr
     problems, sizes, title = render(report)
     assert problems == []
-    assert len(sizes) == 2  # curves, memory per rank
+    assert len(sizes) == 3  # curves, memory per rank, the median step by part
     for natural_w, natural_h, width, height, alt in sizes:
         assert natural_w > 0 and natural_h > 0 and width > 0 and height > 0, alt
     assert title.startswith("dtlab run report")
