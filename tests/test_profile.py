@@ -96,16 +96,18 @@ class Event:
 
 
 def test_the_step_split_on_a_known_timeline() -> None:
-    """A 100 ns step: data 0-10, compute 10-50 (a nested op inside), a collective on another
-    thread 40-80 (overlapped 40-50, exposed 50-80), the optimizer 85-95 and nothing else."""
+    """A 100 ns step: data 0-10, compute 10-50 (a nested op inside), a collective on gloo's
+    thread 40-80 (overlapped 40-50, exposed 50-80), nothing 80-85, the optimizer 85-95, then a
+    send on the training thread 95-100 (pipeline parallelism): the copy inside it is not compute."""
     events = [Event("dtlab.step#3", 0, 100), Event("dtlab.data", 0, 10),
               Event("aten::mm", 10, 50), Event("aten::add", 20, 30), Event("gloo:all_reduce", 40, 80, 2),
-              Event("Optimizer.step#SGD.step", 85, 95), Event("aten::add_", 86, 94)]
+              Event("Optimizer.step#SGD.step", 85, 95), Event("aten::add_", 86, 94),
+              Event("gloo:send", 95, 100), Event("aten::copy_", 96, 99)]
     (row,) = step_table(events)
     ns = {k: round(v * 1e9) for k, v in row.items() if k != "step"}
     assert row["step"] == 3
     assert ns == {"step_s": 100, "data_s": 10, "compute_s": 40, "optimizer_s": 10,
-                  "exposed_comm_s": 30, "comm_s": 40, "overlapped_comm_s": 10, "other_s": 10}
+                  "exposed_comm_s": 35, "comm_s": 45, "overlapped_comm_s": 10, "other_s": 5}
 
 
 def test_interval_arithmetic() -> None:

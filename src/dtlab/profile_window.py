@@ -5,7 +5,7 @@ ranks together with Holistic Trace Analysis), and each step of the window is spl
 that add up to the step (step_table): the instant-by-instant share of
   data       the batch being put together ("dtlab.data"),
   optimizer  the optimizer's step (torch's "Optimizer.step#..."; what it communicates counts here),
-  compute    operators at work: aten ops on the training threads (CPU) or non-NCCL kernels (GPU),
+  compute    operators at work: aten ops on the training thread (CPU) or non-NCCL kernels (GPU),
   exposed    communication with no compute beside it: the step waits for it,
   other      none of these: Python, launches, idle.
 Communication is the backend's own record: gloo's `gloo:<op>` events on its threads (their time
@@ -79,26 +79,31 @@ def step_table(events: Any) -> list[dict[str, float]]:
     """Per step of the window, the parts of COLUMNS in seconds, from the profiler's raw events
     (`_KinetoEvent`, times in ns)."""
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
-    steps, spans, comm_threads = [], {"data": [], "optimizer": [], "comm": [], "compute": []}, set()
-    ops = []
+    steps, spans = [], {"data": [], "optimizer": [], "comm": [], "compute": []}
+    ops, gloo, training = [], [], set()
     for e in events:
-        name, span = e.name(), (e.start_ns(), e.end_ns())
+        name, span, thread = e.name(), (e.start_ns(), e.end_ns()), e.start_thread_id()
         if e.device_type() == cuda:  # kernels: NCCL's are communication, the rest compute
             spans["comm" if name.lower().startswith("nccl") else "compute"].append(span)
         elif name.startswith("dtlab.step#"):
             steps.append((int(name.split("#")[1]), span))
+            training.add(thread)
         elif name == "dtlab.data":
             spans["data"].append(span)
         elif name.startswith("Optimizer.step#"):
             spans["optimizer"].append(span)
         elif name.startswith("gloo:"):
             spans["comm"].append(span)
-            comm_threads.add(e.start_thread_id())
+            gloo.append((thread, span))
         elif name.startswith("aten::") and e.device_type() == cpu:
-            ops.append((e.start_thread_id(), span))
-    if not any(e.device_type() == cuda for e in events):  # CPU: the operators are the compute
-        spans["compute"] = [s for t, s in ops if t not in comm_threads]
+            ops.append((thread, span))
     merged = {k: union(v) for k, v in spans.items()}
+    if not any(e.device_type() == cuda for e in events):
+        # CPU: the compute is the operators of the training thread (where the steps run; the
+        # backward pass runs there too), except while it is itself in a collective (gloo runs
+        # point-to-point sends and receives on the calling thread, collectives on its own)
+        waits = union([s for t, s in gloo if t in training])
+        merged["compute"] = minus(union([s for t, s in ops if t in training]), waits)
     rows = []
     for step, window in sorted(steps):
         w = [window]
