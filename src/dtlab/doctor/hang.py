@@ -51,8 +51,9 @@ def read_dumps(run_dir: Path) -> dict[int, dict[str, Any]]:
                 with open(path, "rb") as f:
                     dump = _PlainData(f).load()
         except (OSError, ValueError, pickle.UnpicklingError, EOFError) as e:
-            raise DtlabError(f"cannot read the flight-recorder dump '{path}' ({e}); fix: delete "
-                             "it and run again (a dump cut short by a kill is unreadable)") from None
+            raise DtlabError(f"cannot read the flight-recorder dump '{path}' ({e}); fix: move it "
+                             "out of the folder (a dump is plain data; one cut short by a kill, or "
+                             "holding anything else, is not read)") from None
         if isinstance(dump, dict) and "entries" in dump:
             dumps[int(m.group(1))] = dump
     return dumps
