@@ -160,6 +160,21 @@ def test_interrupted_run_without_summary(tmp_path: Path) -> None:
     assert len(images(html)) == 1
 
 
+def test_a_failed_run_says_why_each_rank_stopped(tmp_path: Path) -> None:
+    """A run that failed writes no run.json: its ranks' flight-recorder dumps say why."""
+    run = tmp_path / "hung"
+    (run / "flight_recorder").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 4, "loss": 2.3, "lr": 0.05}) + "\n")
+    for rank, reason in ((0, "a collective failed at step 5 on rank 0"),
+                         (1, "interrupted by SIGTERM during step 5")):
+        (run / "flight_recorder" / f"rank{rank}.json").write_text(json.dumps(
+            {"entries": [], "dtlab": {"rank": rank, "world_size": 2, "reason": reason}}))
+    html = report(str(run))
+    assert ("<div class='warn'><b>run stopped</b>: rank 0: a collective failed at step 5 on rank "
+            "0 | rank 1: interrupted by SIGTERM during step 5; `dtlab doctor hang RUN_DIR` reads "
+            "the dumps</div>") in html
+
+
 def test_mistakes_are_one_line(ddp_run: tuple[Path, dict], tmp_path: Path,
                                monkeypatch: pytest.MonkeyPatch) -> None:
     def refused(*args: str) -> str:

@@ -7,9 +7,7 @@ it. A run stopped before summary.json still has its metrics.jsonl and run.json."
 
 from __future__ import annotations
 
-import base64
 import datetime
-import html
 import json
 import os
 import re
@@ -24,16 +22,9 @@ from dtlab.errors import DtlabError
 from dtlab.results import run_plots
 from dtlab.results.collect import read_json
 from dtlab.results.plot import _pyplot
-from dtlab.results.report import STYLE
+from dtlab.results.run_html import RUN_STYLE, MiB, esc, figure, fmt, missing, pairs, table
 from dtlab.results.run_plots import PROFILE_COLUMNS, number
 from dtlab.strategies import registry
-
-MiB = 1024 * 1024
-RUN_STYLE = STYLE + """
-h1 { font-size: 1.6rem; } img.wide { width: 100%; max-width: 72rem; }
-.warn { border: 2px solid #c00; background: #fff3f3; padding: 0.5rem 1rem; margin: 1rem 0; }
-.missing { color: #666; font-style: italic; } pre { background: #f7f7f7; padding: 0.75rem; }
-"""
 
 
 def is_run_dir(path: Path) -> bool:
@@ -57,44 +48,6 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
         elif "loss" in row:
             train.append(row)
     return train, val, bad
-
-
-def fmt(value: Any, spec: str) -> str:
-    if not number(value):
-        return "" if value is None else str(value)
-    return {"ms": f"{value * 1000:.3f}", "mib": f"{value / MiB:.2f}",
-            "bytes": f"{value:,.0f} B ({value / MiB:.2f} MiB)"}.get(spec) or format(value, spec)
-
-
-def esc(value: Any) -> str:
-    return html.escape(str(value))
-
-
-def missing(what: str, how: str) -> str:
-    return f"<p class='missing'>{esc(what)}: not recorded in this run ({esc(how)}).</p>"
-
-
-def table(header: list[str] | None, rows: list[list[str]]) -> str:
-    """Cells are escaped here; the first column is a label."""
-    head = "<tr>" + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>" if header else ""
-    first = "<td class='text'>{}</td>" if header else "<th>{}</th>"  # a label without a header
-    body = "".join("<tr>" + "".join(first.format(esc(c)) if i == 0 else f"<td>{esc(c)}</td>"
-                                    for i, c in enumerate(r)) + "</tr>" for r in rows)
-    return f"<table>{head}{body}</table>"
-
-
-def pairs(source: dict[str, Any], items: list[tuple[str, str, str]]) -> str:
-    """A two-column table of (label, key, format) for the keys that have a value."""
-    return table(None, [[label, fmt(source[k], spec)] for label, k, spec in items
-                        if source.get(k) not in (None, "")])
-
-
-def figure(png: bytes | None, title: str, wide: bool = False) -> str:
-    if png is None:
-        return ""
-    data, cls = base64.b64encode(png).decode(), " class='wide'" if wide else ""
-    return (f"<figure><img{cls} src='data:image/png;base64,{data}' alt='{esc(title)}'>"
-            f"<figcaption>{esc(title)}</figcaption></figure>")
 
 
 def header(s: dict[str, Any], rec: dict[str, Any], cfg: dict[str, Any],
@@ -266,12 +219,26 @@ def file_links(run_dir: Path, out: Path) -> list[str]:
     return ["<ul>" + "".join(links) + "</ul>"]
 
 
+def stopped_ranks(run_dir: Path) -> dict[str, str]:
+    """A failed run writes no run.json, but its ranks' flight-recorder dumps say why each
+    stopped (dtlab/flight_recorder.py)."""
+    reasons = []
+    for path in sorted((run_dir / "flight_recorder").glob("rank*.json")):
+        head = (read_json(path) or {}).get("dtlab") or {}
+        if head.get("reason"):
+            reasons.append(f"rank {head.get('rank')}: {head['reason']}")
+    return {"status": "stopped", "reason": " | ".join(reasons) + "; `dtlab doctor hang "
+            "RUN_DIR` reads the dumps"} if reasons else {}
+
+
 def write_run_report(run_dir: Path, out: Path | None = None) -> Path:
     """RUN_DIR/report.html (or `out`) for one run; returns its path."""
     run_dir = Path(run_dir)
     out = Path(out) if out else run_dir / "report.html"
     _pyplot()  # refuses in one line, before anything is read or written, without matplotlib
     s, rec = read_json(run_dir / "summary.json"), read_json(run_dir / "run.json")
+    if not rec.get("status"):
+        rec = {**rec, **stopped_ranks(run_dir)}
     train, val, bad = read_metrics(run_dir / "metrics.jsonl")
     config_path = run_dir / "config.yaml"
     config = config_path.read_text(errors="replace") if config_path.is_file() else None
