@@ -93,20 +93,29 @@ def categories(model: torch.nn.Module, optimizer: Any, device: torch.device) -> 
     return dict(sorted(found.items(), key=lambda kv: -kv[1]))
 
 
-def out_of_memory(error: BaseException, step: int, ctx: DistContext, model: torch.nn.Module,
-                  optimizer: Any, run_dir: Path, snapshot: MemorySnapshot) -> str:
-    """The one line for an OOM: where, what held the memory, where the snapshot is, the fixes."""
+def out_of_memory(error: BaseException, where: str, ctx: DistContext, run_dir: Path,
+                  model: torch.nn.Module | None = None, optimizer: Any = None,
+                  snapshot: MemorySnapshot | None = None) -> str:
+    """The one line for an OOM: where, what held the memory, where the snapshot is, the fixes.
+    `model` is None outside the training steps (set-up: it may not be built yet)."""
     first = str(error).strip().splitlines()[0][:160] if str(error).strip() else "out of memory"
-    held = ", ".join(f"{k} {v / MiB:,.1f} MiB" for k, v in
-                     categories(model, optimizer, ctx.device).items())
-    if ctx.device.type == "cuda":
-        snapshot.stop()
-        paths = write(torch.cuda.memory._snapshot(), run_dir / DIR / f"oom_rank{ctx.rank}")
-        where = f"snapshot: {paths[1]} (or drag {paths[0].name} into https://pytorch.org/memory_viz)"
+    if model is not None:
+        held = ", ".join(f"{k} {v / MiB:,.1f} MiB" for k, v in
+                         categories(model, optimizer, ctx.device).items())
+    elif ctx.device.type == "cuda":
+        held = (f"{torch.cuda.memory_allocated(ctx.device) / MiB:,.1f} MiB allocated, "
+                f"{torch.cuda.memory_reserved(ctx.device) / MiB:,.1f} MiB reserved")
     else:
-        where = ("no allocator snapshot on CPU: run.profile.memory=true gives the memory "
+        held = "what it had built so far (not counted on CPU)"
+    if ctx.device.type == "cuda":
+        if snapshot is not None:
+            snapshot.stop()
+        paths = write(torch.cuda.memory._snapshot(), run_dir / DIR / f"oom_rank{ctx.rank}")
+        found = f"snapshot: {paths[1]} (or drag {paths[0].name} into https://pytorch.org/memory_viz)"
+    else:
+        found = ("no allocator snapshot on CPU: run.profile.memory=true gives the memory "
                  "timeline by category")
-    return (f"out of memory at step {step} on rank {ctx.rank} ({first}); this rank held {held}; "
-            f"{where}; fix: raise train.grad_accum_steps (smaller micro batches, the same global "
+    return (f"out of memory {where} on rank {ctx.rank} ({first}); this rank held {held}; "
+            f"{found}; fix: raise train.grad_accum_steps (smaller micro batches, the same global "
             "batch), train.activation_checkpointing=full, or a sharding strategy (dtlab "
             "estimate shows what each would hold)")

@@ -125,6 +125,8 @@ def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
         raise
     except Exception as e:
         flight_recorder.dump(run_dir, ctx.rank, ctx.world_size, str(e).strip().split("\n")[0])
+        if isinstance(e, torch.OutOfMemoryError):  # in set-up or after the steps (they say which)
+            raise RunError(out_of_memory(e, "outside the training steps", ctx, run_dir)) from None
         raise
     if ctx.is_main:
         record_stop(run_dir, None)
@@ -206,8 +208,8 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
                 not (checkpoint.checkpoint_root(run_dir) / f"step_{run.step:06d}").is_dir():
             state.save(cfg, ctx, tr, run)  # the end of the run (or of a resumed run, here in run.dir)
     except torch.OutOfMemoryError as e:
-        raise RunError(out_of_memory(e, run.step, ctx, tr.model, tr.optimizer, run_dir,
-                                     snapshot)) from None
+        raise RunError(out_of_memory(e, f"at step {run.step}", ctx, run_dir, tr.model,
+                                     tr.optimizer, snapshot)) from None
     except RuntimeError as e:
         if ctx.world_size > 1 and is_comm_failure(e):
             interrupt.mark_collateral()  # a stop from here on is explained by the failed rank

@@ -99,8 +99,8 @@ def verdict(dumps: dict[int, dict[str, Any]], group: str, info: dict[str, str]) 
                      f"rank(s) {ahead} entered it and waited for them"
                      + (f" ({', '.join(waits)})" if waits else ""))
     if missing:
-        lines.append(f"  rank(s) {missing} left no dump: killed before they could write one "
-                     "(SIGKILL, the OOM killer, a crash in C++): suspect them first")
+        lines.append(f"  rank(s) {missing} left no dump: killed, or stuck where Python could "
+                     "not run (SIGKILL, the OOM killer, a crash or a hang in C++): suspect them first")
     return lines
 
 
