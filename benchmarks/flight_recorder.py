@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from dtlab.config import RunConfig
@@ -79,30 +80,32 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=20000, help="all-reduces per process")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        costs, on, off = [], [], []
-        for i in range(args.repeats):
-            order = [DEFAULT, 0] if i % 2 == 0 else [0, DEFAULT]
-            t = {n: per_op_seconds(Path(tmp), n, args.ops) for n in order}
-            costs.append(t[DEFAULT] - t[0])
-            on.append(t[DEFAULT])
-            off.append(t[0])
-        print(f"per collective (all-reduce of 1 float, 2 gloo ranks): off {statistics.median(off) * 1e6:.1f} us, "
-              f"on {statistics.median(on) * 1e6:.1f} us; on - off = median "
-              f"{statistics.median(costs) * 1e6:+.2f} us (range {min(costs) * 1e6:+.2f} "
-              f"to {max(costs) * 1e6:+.2f} us, {args.repeats} pairs of {args.ops} ops)", flush=True)
+        on, off = interleaved(args.repeats, lambda n: per_op_seconds(Path(tmp), n, args.ops))
+        costs = [a - b for a, b in zip(on, off, strict=True)]
+        print(f"per collective (all-reduce of 1 float, 2 gloo ranks): off "
+              f"{statistics.median(off) * 1e6:.1f} us, on {statistics.median(on) * 1e6:.1f} us; "
+              f"on - off = median {statistics.median(costs) * 1e6:+.2f} us (range "
+              f"{min(costs) * 1e6:+.2f} to {max(costs) * 1e6:+.2f} us, {args.repeats} pairs of "
+              f"{args.ops} ops)", flush=True)
         for strategy in args.strategies:
-            ratios, on_s, off_s = [], [], []
-            for i in range(args.repeats):
-                order = [DEFAULT, 0] if i % 2 == 0 else [0, DEFAULT]
-                t = {n: step_time(Path(tmp) / f"{strategy}-{n}", strategy, args.steps, n)
-                     for n in order}
-                ratios.append(t[DEFAULT] / t[0])
-                on_s.append(t[DEFAULT])
-                off_s.append(t[0])
-            print(f"{strategy}: median step {statistics.median(off_s) * 1e3:.2f} ms off, "
-                  f"{statistics.median(on_s) * 1e3:.2f} ms with {DEFAULT} entries; on/off "
+            on, off = interleaved(args.repeats, lambda n, s=strategy: step_time(
+                Path(tmp) / f"{s}-{n}", s, args.steps, n))
+            ratios = [a / b for a, b in zip(on, off, strict=True)]
+            print(f"{strategy}: median step {statistics.median(off) * 1e3:.2f} ms off, "
+                  f"{statistics.median(on) * 1e3:.2f} ms with {DEFAULT} entries; on/off "
                   f"median {statistics.median(ratios):.3f} (range {min(ratios):.3f} to "
                   f"{max(ratios):.3f}, {args.repeats} pairs)", flush=True)
+
+
+def interleaved(repeats: int, measure: Callable[[int], float]) -> tuple[list[float], list[float]]:
+    """measure(entries) with the recorder on and off, pair by pair, alternating which goes first."""
+    on, off = [], []
+    for i in range(repeats):
+        order = [DEFAULT, 0] if i % 2 == 0 else [0, DEFAULT]
+        t = {n: measure(n) for n in order}
+        on.append(t[DEFAULT])
+        off.append(t[0])
+    return on, off
 
 
 if __name__ == "__main__":
