@@ -313,7 +313,7 @@ GROUPS = {"test_report_browser": "sweep", "test_sweep": "sweep", "test_slurm": "
 # --no-loadscope-reorder xdist hands out groups in collection order, each to the worker that
 # runs out of work first, so the long ones start first and the short ones fill both workers
 # up to the end (xdist's default order, by test count, would start the one-test chapters last).
-COST = {"slurm": 105, "test_signals": 82, "guide-08-failure-modes.md": 61, "guide-02-ddp.md": 56,
+COST = {"slurm": 105, "test_signals": 82, "guide-08-failure-modes.md": 74, "guide-02-ddp.md": 56,
         "test_reliability": 51, "guide-03-fsdp.md": 48, "test_zero": 47,
         "guide-05-model-parallel.md": 43, "test_train_features": 34, "test_launch": 32,
         "test_ddp_hooks": 29, "guide-04-zero.md": 27, "guide-07-communication.md": 26,
@@ -323,7 +323,7 @@ COST = {"slurm": 105, "test_signals": 82, "guide-08-failure-modes.md": 61, "guid
         "test_channels_last": 6, "test_results": 5, "guide-01-single.md": 4, "test_compile": 4,
         "test_grad_norm": 4, "test_text": 8, "test_hf": 40, "test_export_hf": 11,
         "test_lora": 10, "guide-10-your-own-model.md": 13, "test_deepspeed_checkpoint": 10,
-        "test_run_report": 7, "test_profile": 9}
+        "test_run_report": 9, "test_profile": 10}
 
 
 @pytest.hookimpl(tryfirst=True)
