@@ -91,3 +91,29 @@ def test_a_directory_without_dumps_is_one_line(tmp_path: Path) -> None:
         f"dtlab: error: no flight-recorder dumps in '{tmp_path / 'flight_recorder'}'; they are "
         "written when a distributed run fails or is stopped; fix: pass the run directory "
         "(run.dir) of such a run, with run.flight_recorder > 0")
+
+
+def test_the_group_layout_skips_groups_this_rank_is_not_in() -> None:
+    """torch.distributed keeps a marker for a group a rank is not a member of (pipeline
+    parallelism's per-stage groups): the dump describes only real groups."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dtlab.flight_recorder import group_config
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        dist.new_group([1])
+        assert group_config() == {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_no_rank_behind_says_where_else_to_look(tmp_path: Path) -> None:
+    """Pipeline parallelism on gloo: the timed-out send is not in the recorder."""
+    for rank in (0, 1, 2):
+        write_json(tmp_path, rank, [entry(1), entry(2)])
+    text = report(tmp_path)
+    assert "all ranks entered #2: none is behind in this group" in text
+    assert ("no rank is behind in the recorded collectives: the wait was in an operation the "
+            "recorder does not keep (gloo records no point-to-point send or receive") in text

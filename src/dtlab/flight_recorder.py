@@ -37,9 +37,10 @@ def enable(entries: int, run_dir: Path, device: str) -> None:
 def group_config() -> dict[str, dict[str, str]]:
     """The process groups this rank belongs to, as the dumps describe them. gloo's own record
     leaves the names empty and keeps one group only, so they are taken from torch.distributed."""
-    groups = dist.distributed_c10d._world.pg_group_ranks
+    groups = dist.distributed_c10d._world.pg_group_ranks  # also holds a non-member marker
     return {pg.group_name: {"name": pg.group_name, "desc": pg.group_desc,
-                            "ranks": str(sorted(ranks))} for pg, ranks in groups.items()}
+                            "ranks": str(sorted(ranks))}
+            for pg, ranks in groups.items() if isinstance(pg, dist.ProcessGroup)}
 
 
 def dump(run_dir: Path, rank: int, world_size: int, reason: str) -> Path | None:

@@ -162,4 +162,10 @@ def report(run_dir: Path, world_size: int | None = None) -> str:
         groups.update(d.get("pg_config") or {})
     for group in sorted(groups, key=lambda g: (len(g), g)):
         lines += verdict(dumps, group, groups[group])
+    if not any("verdict:" in line or "disagree" in line or "left no dump" in line
+               for line in lines):
+        lines.append("no rank is behind in the recorded collectives: the wait was in an operation "
+                     "the recorder does not keep (gloo records no point-to-point send or receive, "
+                     "which pipeline parallelism uses) or outside collectives; each rank's reason "
+                     "above says where it stopped")
     return "\n".join(lines + pytorch_analysis(dumps))
