@@ -120,8 +120,9 @@ def first_clause(reason: str) -> str:
 
 
 def pytorch_analysis(dumps: dict[int, dict[str, Any]]) -> list[str]:
-    """PyTorch's matching of the same dumps: the collectives it found incomplete or mismatched."""
-    # Its logger warns on import when `tabulate` is missing, and logs what is printed below.
+    """PyTorch's matching of the same dumps: the collectives it found incomplete or mismatched,
+    and whether it gave up (it stops after 10 mismatches in a group)."""
+    # Its logger warns on import when `tabulate` is missing, and logs its findings.
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         from torch.distributed.flight_recorder.components.builder import build_db
         from torch.distributed.flight_recorder.components.config_manager import JobConfig
@@ -130,16 +131,28 @@ def pytorch_analysis(dumps: dict[int, dict[str, Any]]) -> list[str]:
                             "version": d["version"], "pg_config": d["pg_config"]}
                for r, d in dumps.items()}
     args = JobConfig().parse_args(["unused", "--allow-incomplete-ranks"])
-    logging.getLogger("Flight Recorder").setLevel(logging.CRITICAL)  # its findings are below
+    log, logger = io.StringIO(), logging.getLogger("Flight Recorder")
+    handlers, logger.handlers = logger.handlers, [logging.StreamHandler(log)]
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             db = build_db(copy.deepcopy(details), args, str(next(iter(dumps.values()))["version"]))
     except Exception as e:  # noqa: BLE001 - a format it does not know: dtlab's verdict stands
         return [f"PyTorch's flight-recorder analysis could not read these dumps: {e}"]
+    finally:
+        logger.handlers = handlers
     found = [f"  collective #{c.collective_seq_id} ({c.collective_name}, group {c.pg_desc}): "
              + (f"missing ranks {sorted(c.missing_ranks)}" if c.missing_ranks else
                 f"mismatch: {c.type_of_mismatch}")
              for c in db.collectives if c.missing_ranks or c.type_of_mismatch]
+    text = log.getvalue()
+    first = re.search(r"Collective sequence number: (\d+) has errors.*?collective: (\S+).*?"
+                      r"error msg: ([^\n]*)", text, re.S)
+    if "Too many mismatches" in text and first:
+        found.append(f"  it gave up after more than {args.mismatch_cap} mismatches, the first at "
+                     f"collective #{first.group(1)} ({first.group(2)}: {first.group(3)[:160]}); "
+                     "on gloo's record of an all-gather (its output recorded at the input's size) "
+                     "that check fails for every all-gather, so it is no finding about this run: "
+                     "the sequence numbers above are")
     return ["PyTorch's flight-recorder analysis (torch.distributed.flight_recorder):",
             *(found or ["  every collective in the buffers was entered by all its ranks"])]
 
