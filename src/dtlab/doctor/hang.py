@@ -150,9 +150,9 @@ def pytorch_analysis(dumps: dict[int, dict[str, Any]]) -> list[str]:
     if "Too many mismatches" in text and first:
         found.append(f"  it gave up after more than {args.mismatch_cap} mismatches, the first at "
                      f"collective #{first.group(1)} ({first.group(2)}: {first.group(3)[:160]}); "
-                     "on gloo's record of an all-gather (its output recorded at the input's size) "
-                     "that check fails for every all-gather, so it is no finding about this run: "
-                     "the sequence numbers above are")
+                     "when gloo records an all-gather's output at the input's size (tensor "
+                     "parallelism's, measured here) that check fails on every one of them: no "
+                     "finding about this run; the sequence numbers above are")
     return ["PyTorch's flight-recorder analysis (torch.distributed.flight_recorder):",
             *(found or ["  every collective in the buffers was entered by all its ranks"])]
 
