@@ -164,7 +164,8 @@ class ProfileWindow:
         prof, self.prof = self.prof, None
         with quiet_stderr():
             prof.stop()
-        self.ctx.synchronize()
+        if complete:  # after a failure the device may be what failed: write what was recorded
+            self.ctx.synchronize()
         self.dir.mkdir(parents=True, exist_ok=True)
         rank = self.ctx.rank
         prof.export_chrome_trace(str(self.dir / f"trace_rank{rank}.json"))
