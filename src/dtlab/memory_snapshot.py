@@ -68,24 +68,13 @@ class MemorySnapshot:
         self.recording = False
 
 
-def tensor_bytes(tensors: Any) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        local = getattr(t, "_local_tensor", t)  # a DTensor's own shard
-        if isinstance(local, torch.Tensor) and local.data_ptr() not in seen:
-            seen.add(local.data_ptr())
-            total += local.numel() * local.element_size()
-    return total
+KINDS = {"param_bytes": "parameters", "grad_bytes": "gradients", "optim_bytes": "optimizer state"}
 
 
-def categories(model: torch.nn.Module, optimizer: Any, device: torch.device) -> dict[str, int]:
-    """This rank's memory by category, in bytes, largest first."""
-    params = list(model.parameters())
-    state = [v for s in getattr(optimizer, "state", {}).values() for v in s.values()
-             if isinstance(v, torch.Tensor)]
-    found = {"parameters": tensor_bytes(params),
-             "gradients": tensor_bytes(p.grad for p in params if p.grad is not None),
-             "optimizer state": tensor_bytes(state)}
+def categories(state: dict[str, int], device: torch.device) -> dict[str, int]:
+    """This rank's memory by category, in bytes, largest first: `state` is the strategy's count of
+    what it holds (Strategy.state_bytes), the rest is the allocator's (CUDA)."""
+    found = {name: state[key] for key, name in KINDS.items()}
     if device.type == "cuda":
         allocated = torch.cuda.memory_allocated(device)
         found["activations and temporaries"] = max(0, allocated - sum(found.values()))
@@ -94,14 +83,14 @@ def categories(model: torch.nn.Module, optimizer: Any, device: torch.device) -> 
 
 
 def out_of_memory(error: BaseException, where: str, ctx: DistContext, run_dir: Path,
-                  model: torch.nn.Module | None = None, optimizer: Any = None,
+                  state: dict[str, int] | None = None,
                   snapshot: MemorySnapshot | None = None) -> str:
     """The one line for an OOM: where, what held the memory, where the snapshot is, the fixes.
-    `model` is None outside the training steps (set-up: it may not be built yet)."""
+    `state` (Strategy.state_bytes) is None outside the training steps (set-up: the model may not
+    be built yet)."""
     first = str(error).strip().splitlines()[0][:160] if str(error).strip() else "out of memory"
-    if model is not None:
-        held = ", ".join(f"{k} {v / MiB:,.1f} MiB" for k, v in
-                         categories(model, optimizer, ctx.device).items())
+    if state is not None:
+        held = ", ".join(f"{k} {v / MiB:,.1f} MiB" for k, v in categories(state, ctx.device).items())
     elif ctx.device.type == "cuda":
         held = (f"{torch.cuda.memory_allocated(ctx.device) / MiB:,.1f} MiB allocated, "
                 f"{torch.cuda.memory_reserved(ctx.device) / MiB:,.1f} MiB reserved")

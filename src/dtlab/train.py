@@ -208,8 +208,9 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
                 not (checkpoint.checkpoint_root(run_dir) / f"step_{run.step:06d}").is_dir():
             state.save(cfg, ctx, tr, run)  # the end of the run (or of a resumed run, here in run.dir)
     except torch.OutOfMemoryError as e:
-        raise RunError(out_of_memory(e, f"at step {run.step}", ctx, run_dir, tr.model,
-                                     tr.optimizer, snapshot)) from None
+        held = strategy.state_bytes(tr.model, tr.optimizer)
+        raise RunError(out_of_memory(e, f"at step {run.step}", ctx, run_dir, held,
+                                     snapshot)) from None
     except RuntimeError as e:
         if ctx.world_size > 1 and is_comm_failure(e):
             interrupt.mark_collateral()  # a stop from here on is explained by the failed rank
