@@ -18,6 +18,7 @@ beside the trace: PyTorch's only memory timeline on CPU (on CUDA see run.memory_
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import statistics
 import sys
@@ -80,10 +81,11 @@ def step_table(events: Any) -> list[dict[str, float]]:
     (`_KinetoEvent`, times in ns)."""
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     steps, spans = [], {"data": [], "optimizer": [], "comm": [], "compute": []}
-    ops, gloo, training = [], [], set()
+    ops, gloo, training, kernels = [], [], set(), False
     for e in events:
         name, span, thread = e.name(), (e.start_ns(), e.end_ns()), e.start_thread_id()
         if e.device_type() == cuda:  # kernels: NCCL's are communication, the rest compute
+            kernels = True
             spans["comm" if name.lower().startswith("nccl") else "compute"].append(span)
         elif name.startswith("dtlab.step#"):
             steps.append((int(name.split("#")[1]), span))
@@ -98,7 +100,7 @@ def step_table(events: Any) -> list[dict[str, float]]:
         elif name.startswith("aten::") and e.device_type() == cpu:
             ops.append((thread, span))
     merged = {k: union(v) for k, v in spans.items()}
-    if not any(e.device_type() == cuda for e in events):
+    if not kernels:
         # CPU: the compute is the operators of the training thread (where the steps run; the
         # backward pass runs there too), except while it is itself in a collective (gloo runs
         # point-to-point sends and receives on the calling thread, collectives on its own)
@@ -193,16 +195,19 @@ class ProfileWindow:
         from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
 
         device = str(self.ctx.device if self.ctx.device.type == "cpu" else f"cuda:{self.ctx.device.index}")
-        stem = self.dir / f"memory_timeline_rank{self.ctx.rank}"
+        data = self.dir / f"memory_timeline_rank{self.ctx.rank}.json"
         with warnings.catch_warnings():  # deprecated for CUDA in favour of snapshots; CPU has no other
             warnings.simplefilter("ignore", FutureWarning)
-            prof.export_memory_timeline(str(stem) + ".json", device=device)
-            with contextlib.suppress(ImportError):
-                prof.export_memory_timeline(str(stem) + ".html", device=device)
-        _, sizes = json.loads(Path(str(stem) + ".json").read_text())
+            prof.export_memory_timeline(str(data), device=device)
+        page = data
+        if importlib.util.find_spec("matplotlib") is not None:  # PyTorch's page is a plot
+            # from the analysis the export above made and kept (each export makes it anew)
+            page = data.with_suffix(".html")
+            prof.mem_tl.export_memory_timeline_html(str(page), device)
+        _, sizes = json.loads(data.read_text())
         names = {i: (c.name.lower() if c is not None else "unknown") for c, i in _CATEGORY_TO_INDEX.items()}
         peak = max(sizes, key=lambda s: sum(s[1:]), default=None)
-        return {"memory_timeline": f"{DIR}/{stem.name}.html",
+        return {"memory_timeline": f"{DIR}/{page.name}",
                 "memory_peak_bytes": sum(peak[1:]) if peak else 0,
                 "memory_peak_by_category": {names[i]: v for i, v in enumerate(peak[1:])} if peak else {}}
 
