@@ -71,12 +71,14 @@ def collectives_of(dump: dict[str, Any], group: str) -> dict[int, dict[str, Any]
             if e["process_group"][0] == group and not e.get("is_p2p")}
 
 
-def verdict(dumps: dict[int, dict[str, Any]], group: str, info: dict[str, str]) -> list[str]:
-    """The lines about one process group: each rank's last collective, and who stopped where."""
+def verdict(dumps: dict[int, dict[str, Any]], group: str,
+            info: dict[str, str]) -> tuple[list[str], bool]:
+    """The lines about one process group: each rank's last collective, and who stopped where;
+    whether they found a culprit (a rank behind, ranks that disagree, a rank without a dump)."""
     members = [int(r) for r in re.findall(r"\d+", info.get("ranks", ""))] or sorted(dumps)
     seen = {r: collectives_of(dumps[r], group) for r in members if r in dumps}
     if not any(seen.values()):
-        return []
+        return [], False
     name = f"group {group} ({info.get('desc') or 'undefined'}, ranks {members})"
     lines = [f"{name}: the last collective each rank entered",
              *(f"  rank {r}: " + (f"#{max(c)} {describe(c[max(c)])}" if c else "none")
@@ -85,8 +87,8 @@ def verdict(dumps: dict[int, dict[str, Any]], group: str, info: dict[str, str]) 
     last = {r: max(c, default=0) for r, c in seen.items()}
     behind = sorted(r for r, n in last.items() if n == min(last.values()))
     ahead = sorted(set(last) - set(behind))
+    ops = {describe(c[last[r]]) for r, c in seen.items() if c}
     if not ahead:
-        ops = {describe(c[last[r]]) for r, c in seen.items()}
         lines.append(f"  all ranks entered #{min(last.values())}" + (
             ": none is behind in this group" if len(ops) == 1 else
             f", but not the same collective: the ranks disagree ({' | '.join(sorted(ops))})"))
@@ -101,7 +103,7 @@ def verdict(dumps: dict[int, dict[str, Any]], group: str, info: dict[str, str]) 
     if missing:
         lines.append(f"  rank(s) {missing} left no dump: killed, or stuck where Python could "
                      "not run (SIGKILL, the OOM killer, a crash or a hang in C++): suspect them first")
-    return lines
+    return lines, bool(ahead or missing or len(ops) > 1)
 
 
 def waited(dump: dict[str, Any], entry: dict[str, Any]) -> str:
@@ -157,14 +159,13 @@ def pytorch_analysis(dumps: dict[int, dict[str, Any]]) -> list[str]:
             *(found or ["  every collective in the buffers was entered by all its ranks"])]
 
 
-def report(run_dir: Path, world_size: int | None = None) -> str:
+def report(run_dir: Path) -> str:
     dumps = read_dumps(run_dir)
     if not dumps:
         raise DtlabError(f"no flight-recorder dumps in '{run_dir / DIR}'; they are written when "
                          "a distributed run fails or is stopped; fix: pass the run directory "
                          "(run.dir) of such a run, with run.flight_recorder > 0")
-    world = world_size or max(d.get("dtlab", {}).get("world_size", 0) for d in dumps.values()) \
-        or max(dumps) + 1
+    world = max(d.get("dtlab", {}).get("world_size", 0) for d in dumps.values()) or max(dumps) + 1
     lines = [f"flight recorder of {run_dir}: {len(dumps)} of {world} rank(s) dumped"]
     for r, d in sorted(dumps.items()):
         head = d.get("dtlab")
@@ -173,10 +174,12 @@ def report(run_dir: Path, world_size: int | None = None) -> str:
     groups: dict[str, dict[str, str]] = {}
     for d in dumps.values():
         groups.update(d.get("pg_config") or {})
+    found = False
     for group in sorted(groups, key=lambda g: (len(g), g)):
-        lines += verdict(dumps, group, groups[group])
-    if not any("verdict:" in line or "disagree" in line or "left no dump" in line
-               for line in lines):
+        group_lines, culprit = verdict(dumps, group, groups[group])
+        lines += group_lines
+        found = found or culprit
+    if not found:
         lines.append("no rank is behind in the recorded collectives: the wait was in an operation "
                      "the recorder does not keep (gloo records no point-to-point send or receive, "
                      "which pipeline parallelism uses) or outside collectives; each rank's reason "
