@@ -104,7 +104,7 @@ def check_paths(cfg: Config) -> None:
     if cfg.train.lora.rank:
         lora.require_peft()
     check_data_dir(cfg)
-    files.check_writable_dir(Path(cfg.run.dir or "runs/default"), "run.dir")
+    files.check_writable_dir(cfg.run.run_dir, "run.dir")
 
 
 def total_steps(cfg: Config, loader: TrainLoader) -> int:
@@ -112,7 +112,7 @@ def total_steps(cfg: Config, loader: TrainLoader) -> int:
 
 
 def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
-    run_dir = Path(cfg.run.dir or "runs/default")
+    run_dir = cfg.run.run_dir
     try:
         summary = _train(cfg, ctx, run_dir)
     except Interrupted as e:
@@ -275,7 +275,7 @@ def _run(config: str | None, overrides: list[str], env: Any) -> int:
     try:
         r = cfg.run
         flight_recorder.enable(r.flight_recorder if env.world_size > 1 else 0,
-                               Path(r.dir or "runs/default"), r.device)
+                               r.run_dir, r.device)
         with distributed(r.device, r.backend, r.timeout_s, r.threads,
                          need_group=not registry.of(cfg).one_process, env=env,
                          destroy=not cfg.lab.no_destroy_process_group) as ctx:

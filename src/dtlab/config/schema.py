@@ -6,6 +6,7 @@ Every section forbids unknown keys. Each strategy's options and checks live besi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -288,6 +289,11 @@ class RunConfig(Section):
     deterministic: bool = False
     tf32: bool = False
     cudnn_benchmark: bool | Literal["auto"] = "auto"
+
+    @property
+    def run_dir(self) -> Path:
+        """Where the run writes: run.dir, or runs/default for a worker started without one."""
+        return Path(self.dir or "runs/default")
 
     @model_validator(mode="after")
     def _deterministic_without_autotuning(self) -> RunConfig:

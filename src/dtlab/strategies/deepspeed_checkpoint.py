@@ -152,7 +152,7 @@ def _resume_manifest(cfg: Config) -> tuple[Path, dict[str, Any]] | None:
     if cfg.resume == "none":
         return None
     if cfg.resume == "auto":
-        found = complete_checkpoints(Path(cfg.run.dir or "runs/default"), warn=False)
+        found = complete_checkpoints(cfg.run.run_dir, warn=False)
         if not found:
             return None
         path = found[-1][1]
