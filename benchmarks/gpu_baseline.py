@@ -20,7 +20,8 @@ optimizer) in the compiled mode; data generated on the device before training (d
 data, random tensors here), as many samples as the run uses; each side in its own fresh process;
 the timing rule: wall time of each step up to a device synchronisation, the first --warmup steps
 excluded, the median of the rest; MFU = model FLOPs (dtlab.flops.count) / median step / dtlab's
-peak for the device; peak memory = torch.cuda.max_memory_allocated (n/a on CPU). What differs is
+peak for the device; peak memory = dtlab.metrics' peak over the timed steps (CUDA: max allocated;
+CPU: peak RSS), the set-up's and the warm-up's printed beside it. What differs is
 what is measured: dtlab's loop and its bookkeeping (strategy and step engine, the finiteness check
 of the gradient norm, the scheduler) against the few lines of `hand_run`. Pairs alternate which
 side runs first; the table gives dtlab's speed / the hand loop's, median over repeats [min-max]
@@ -182,6 +183,7 @@ def hand_run(workload: str, compiled: bool, args: argparse.Namespace) -> dict[st
     from dtlab.config import load_config
     from dtlab.data import spec_for
     from dtlab.flops import count
+    from dtlab.metrics import peak_memory, restart_peak
     from dtlab.models import build_model, count_params
 
     cfg = load_config(str(ROOT / WORKLOADS[workload][0]),
@@ -225,7 +227,7 @@ def hand_run(workload: str, compiled: bool, args: argparse.Namespace) -> dict[st
     amp = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     model.train()
-    times = []
+    times, peaks = [], restart_peak(dev, "setup")
     for step in range(total):
         t0 = time.perf_counter()
         x, y = batches[step]
@@ -241,6 +243,8 @@ def hand_run(workload: str, compiled: bool, args: argparse.Namespace) -> dict[st
         opt.zero_grad(set_to_none=True)
         sync()
         times.append(time.perf_counter() - t0)
+        if step + 1 == args.warmup:
+            peaks.update(restart_peak(dev, "warmup"))
     median = statistics.median(times[args.warmup:])
     spec = spec_for(cfg)
     flops = count(cfg, spec, b)[0]  # dtlab's count: the same model, the same FLOPs
@@ -249,10 +253,17 @@ def hand_run(workload: str, compiled: bool, args: argparse.Namespace) -> dict[st
     return {"median_step_time_s": median, "step_times_s": times, "n_params": n_params(model),
             "dtlab_n_params": dtlab_params, "final_loss": loss.item(), "flops_per_step": flops,
             "tflops": flops / median / 1e12,
-            "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None}
+            **peak_bytes({**peaks, **peak_memory(dev)})}
 
 
 # ----------------------------------------------------------------------------------- driver
+def peak_bytes(memory: dict[str, int]) -> dict[str, int | None]:
+    """peak, setup_peak and warmup_peak bytes: allocated on CUDA, RSS on CPU."""
+    kind = "allocated" if "peak_allocated_bytes" in memory else "rss"
+    return {f"{phase}peak_bytes": memory.get(f"{phase}peak_{kind}_bytes")
+            for phase in ("", "setup_", "warmup_")}
+
+
 def run_side(side: str, workload: str, compiled: bool, args: argparse.Namespace,
              tmp: Path) -> dict[str, Any]:
     """One fresh process of `side` (dtlab or hand); its median step and what it measured."""
@@ -281,7 +292,7 @@ def run_side(side: str, workload: str, compiled: bool, args: argparse.Namespace,
             "final_loss": s["final_train_loss"], "flops_per_step": s.get("flops_per_step"),
             "tflops": s.get("tflops_per_rank"), "mfu": s.get("mfu"),
             "peak_tflops": s.get("peak_tflops"), "mfu_note": s.get("mfu_note"),
-            "peak_allocated_bytes": s["memory_per_rank"].get("peak_allocated_bytes", [None])[0],
+            **peak_bytes({k: v[0] for k, v in s["memory_per_rank"].items()}),
             "optimizer_impl": s["optimizer_impl"], "device_name": s["device_name"]}
 
 
@@ -378,11 +389,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt_speed(speed['hand']):>10} "
               f"{summary['ratio_median']:6.3f}x [{min(ratios):.3f}-{max(ratios):.3f}] "
               f"{fmt_mfu(pairs, 'dtlab'):>9} {fmt_mfu(pairs, 'hand'):>8} "
-              f"{fmt_mem(pairs[-1]['dtlab']['peak_allocated_bytes']):>10} "
-              f"{fmt_mem(pairs[-1]['hand']['peak_allocated_bytes']):>10}  ({unit})")
+              f"{fmt_mem(pairs[-1]['dtlab']['peak_bytes']):>10} "
+              f"{fmt_mem(pairs[-1]['hand']['peak_bytes']):>10}  ({unit})")
         hand = pairs[0]["hand"]
         print(f"  parameters: dtlab {pairs[0]['dtlab']['n_params']:,}, hand {hand['n_params']:,}"
               + ("" if hand["n_params"] == pairs[0]["dtlab"]["n_params"] else "  MISMATCH"))
+        print("  peak memory (" + ("allocated" if args.device == "cuda" else "RSS") + ") of "
+              "set-up / warm-up / timed steps: " + "; ".join(
+                  f"{side} " + " / ".join(fmt_mem(pairs[-1][side][f"{phase}peak_bytes"])
+                                          for phase in ("setup_", "warmup_", ""))
+                  for side in ("dtlab", "hand")))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -28,6 +28,10 @@ step() { echo "== $*"; "$@"; echo "== exit $?"; }
   # why FSDP2's bf16 step is slower than autocast's at world size 1: the kernels of each mode
   step python3 benchmarks/precision_step.py --profile --json "$out/precision_step.json"
   step python3 benchmarks/gpu_baseline.py --json "$out/gpu_baseline.json"  # dtlab vs hand-written loops, bf16
+  # the ResNet-18 memory question of issue 15: where each side's bytes go at batch 512, bf16,
+  # NCHW and channels_last (set-up / warm-up peaks apart: autotuning's workspaces show there)
+  step python3 benchmarks/resnet_memory.py --batch 512 --precision bf16 --json "$out/resnet_memory_nchw.json"
+  step python3 benchmarks/resnet_memory.py --batch 512 --precision bf16 --channels-last --json "$out/resnet_memory_cl.json"
   step $DT estimate --world-size 1 --strategies ddp,fsdp --config configs/fsdp_gpt.yaml $BIG train.precision=bf16
   # checkpoint and resume on the GPU (FSDP2 over NCCL): a run stopped at step 30 resumes from step 20
   CK="train.max_steps=40 train.checkpoint_every=20 run.log_every=1"

@@ -84,7 +84,9 @@ def test_hand_loop_runs_the_smoke_gpt(tmp_path) -> None:
     assert result["n_params"] == result["dtlab_n_params"] == 118_400
     # random tokens at GPT-2's init scale: near-uniform predictions, loss ~ ln(vocab) = 4.85
     assert abs(result["final_loss"] - math.log(128)) < 0.2
-    assert result["flops_per_step"] > 0 and result["peak_allocated_bytes"] is None
+    assert result["flops_per_step"] > 0
+    # CPU: peak RSS of the set-up, the warm-up and the timed steps (dtlab.metrics.restart_peak)
+    assert all(result[f"{p}peak_bytes"] > 0 for p in ("setup_", "warmup_", ""))
 
 
 def test_unknown_workload_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -92,3 +94,17 @@ def test_unknown_workload_is_one_line_exit_2(capsys: pytest.CaptureFixture[str])
     err = capsys.readouterr().err
     assert err == ("gpu_baseline: error: unknown workload or mode vit; fix: choose --workloads "
                    "from gpt,resnet and --modes from eager,compiled\n")
+
+
+def test_resnet_memory_splits_the_hand_loops_step_by_category(tmp_path) -> None:
+    """benchmarks/resnet_memory.py's hand side: the profiled step's peak holds every parameter
+    and momentum buffer (SGD's state) of the ResNet-18, exactly."""
+    import resnet_memory as rm
+
+    args = rm.argparse.Namespace(batch=2, precision="fp32", channels_last=False, device="cpu",
+                                 threads=1)
+    result = rm.hand_side(args, tmp_path)
+    by_category = result["memory_peak_by_category"]
+    assert by_category["parameter"] == by_category["optimizer_state"] == 11_173_962 * 4
+    assert by_category["activation"] > 0 and result["memory_peak_bytes"] == sum(by_category.values())
+    assert all(result[f"{p}peak_rss_bytes"] > 0 for p in ("setup_", "warmup_", ""))

@@ -121,7 +121,8 @@ def test_run_writes_metrics_summary_and_config(reference: Path) -> None:
         assert summary[key] is not None, key
     assert summary["steps"] == 12 and summary["timed_steps"] == 12 - 3
     assert summary["samples_seen"] == 12 * 64
-    assert "peak_rss_bytes" in summary["memory_per_rank"]
+    mem = summary["memory_per_rank"]
+    assert {"setup_peak_rss_bytes", "warmup_peak_rss_bytes", "peak_rss_bytes"} <= set(mem)
     records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 13))
@@ -153,3 +154,18 @@ def test_warmup_cosine_and_linear_scaling() -> None:
     assert lrs[:4] == pytest.approx([0.05, 0.1, 0.15, 0.2])
     assert lrs[4] == pytest.approx(0.2) and lrs[-1] > 0.02 and lrs[-1] < 0.03
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:], strict=False))
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's peak RSS reset")
+def test_restart_peak_closes_one_peak_and_counts_the_next_from_now() -> None:
+    from dtlab.metrics import peak_memory, restart_peak
+
+    cpu, mib = torch.device("cpu"), 2**20
+    big = torch.ones(256 * mib // 4)  # touched: resident
+    del big
+    before = restart_peak(cpu, "setup")["setup_peak_rss_bytes"]
+    after = peak_memory(cpu)["peak_rss_bytes"]
+    assert before - after > 200 * mib  # the freed 256 MiB belong to the set-up's peak only
+    more = torch.ones(64 * mib // 4)
+    assert peak_memory(cpu)["peak_rss_bytes"] - after > 60 * mib
+    del more

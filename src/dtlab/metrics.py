@@ -1,7 +1,10 @@
 """What a run measures and how it is written: metrics.jsonl, summary.json, `[METRIC]` lines.
 
 Memory is reported two ways. Peak memory per rank is what the allocator saw (CUDA: max allocated
-and reserved; CPU: the process's peak RSS). State bytes per rank are exact: the bytes of the
+and reserved; CPU: the process's peak RSS) over the timed steps (and the evaluations and summary
+after them); the set-up's and the warm-up steps' peaks stand beside it as `setup_*` and `warmup_*`,
+so that building a data set on the device or autotuning in the first steps does not pass for what a
+step needs. State bytes per rank are exact: the bytes of the
 storages behind the parameters, gradients and optimizer state this rank holds (local shards only,
 each storage counted once). On CPU, glibc's allocator hides FSDP's savings from peak RSS, so the
 state bytes are the honest comparison there.
@@ -64,6 +67,17 @@ def peak_memory(device: torch.device) -> dict[str, int]:
     # ru_maxrss is in KiB on Linux (bytes on macOS).
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"peak_rss_bytes": rss if sys.platform == "darwin" else rss * 1024}
+
+
+def restart_peak(device: torch.device, phase: str) -> dict[str, int]:
+    """The peaks so far, named `<phase>_<key>`; the next peak is counted from now."""
+    so_far = {f"{phase}_{k}": v for k, v in peak_memory(device).items()}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:  # Linux: the peak RSS (VmHWM, ru_maxrss) becomes the current RSS; elsewhere it runs on
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")
+    return so_far
 
 
 def time_stats(times: list[float]) -> dict[str, float]:

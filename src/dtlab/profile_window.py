@@ -192,8 +192,6 @@ class ProfileWindow:
 
     def _memory_timeline(self, prof: Any) -> dict[str, Any]:
         """The timeline by category (PyTorch's, .json and .html) and its peak, split by category."""
-        from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
-
         device = str(self.ctx.device if self.ctx.device.type == "cpu" else f"cuda:{self.ctx.device.index}")
         data = self.dir / f"memory_timeline_rank{self.ctx.rank}.json"
         with warnings.catch_warnings():  # deprecated for CUDA in favour of snapshots; CPU has no other
@@ -204,12 +202,18 @@ class ProfileWindow:
             # from the analysis the export above made and kept (each export makes it anew)
             page = data.with_suffix(".html")
             prof.mem_tl.export_memory_timeline_html(str(page), device)
-        _, sizes = json.loads(data.read_text())
-        names = {i: (c.name.lower() if c is not None else "unknown") for c, i in _CATEGORY_TO_INDEX.items()}
-        peak = max(sizes, key=lambda s: sum(s[1:]), default=None)
-        return {"memory_timeline": f"{DIR}/{page.name}",
-                "memory_peak_bytes": sum(peak[1:]) if peak else 0,
-                "memory_peak_by_category": {names[i]: v for i, v in enumerate(peak[1:])} if peak else {}}
+        return {"memory_timeline": f"{DIR}/{page.name}", **timeline_peak(data)}
+
+
+def timeline_peak(data: Path) -> dict[str, Any]:
+    """The peak of a memory timeline that export_memory_timeline wrote, split by category."""
+    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
+
+    _, sizes = json.loads(data.read_text())
+    names = {i: (c.name.lower() if c is not None else "unknown") for c, i in _CATEGORY_TO_INDEX.items()}
+    peak = max(sizes, key=lambda s: sum(s[1:]), default=None)
+    return {"memory_peak_bytes": sum(peak[1:]) if peak else 0,
+            "memory_peak_by_category": {names[i]: v for i, v in enumerate(peak[1:])} if peak else {}}
 
 
 def check_window(key: str, start: int, steps: int, total: int) -> None:

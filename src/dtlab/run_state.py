@@ -53,6 +53,7 @@ class RunState:
     usage: SampleUsage | None = None
     started: float = field(default_factory=time.perf_counter)
     load: LoadProbe = field(default_factory=LoadProbe)  # the machine's state when it began
+    peaks: dict[str, int] = field(default_factory=dict)  # the set-up's and warm-up's peak memory
 
     def begin_step(self, epoch: int) -> int:
         self.step, self.epoch = self.step + 1, epoch

@@ -33,7 +33,7 @@ def summarize(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> dic
     step_times, spec = run.step_times, tr.spec
     timed = step_times[warm:] or step_times  # warm-up steps (allocation, compilation) excluded
     stats = time_stats(timed)
-    mem, state = peak_memory(ctx.device), tr.strategy.state_bytes(tr.model, tr.optimizer)
+    mem, state = {**run.peaks, **peak_memory(ctx.device)}, tr.strategy.state_bytes(tr.model, tr.optimizer)
     index = ctx.device.index if ctx.device.index is not None else -1
     per_rank = ctx.gather_floats([*mem.values(), *state.values(), ctx.env.local_rank, index])
     keys = [*mem, *state]

@@ -55,7 +55,7 @@ from dtlab.errors import ConfigError, DtlabError, PeerError, RunError
 from dtlab.faults import Fault
 from dtlab.interrupt import Interrupted
 from dtlab.memory_snapshot import out_of_memory
-from dtlab.metrics import MetricsLog, log_step
+from dtlab.metrics import MetricsLog, log_step, restart_peak
 from dtlab.models import build_model, check_model, count_params, memory_format
 from dtlab.optim import build_scheduler
 from dtlab.profile_window import windows
@@ -167,6 +167,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
         log.log(run.evals)
 
     tr.model.train()
+    run.peaks.update(restart_peak(ctx.device, "setup"))
     try:
         # A signal in the loop stops all ranks after the same step (dtlab/interrupt.py).
         with interrupt.deferred(STOP_DEADLINE_S):
@@ -187,6 +188,8 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
                     step_loss = tr.stepper(batches)
                     ctx.synchronize()
                     run.record_step(time.perf_counter() - t0, data_time)
+                if len(run.step_times) == cfg.run.timing_warmup_steps:  # timed steps from here
+                    run.peaks.update(restart_peak(ctx.device, "warmup"))
                 log_step(cfg, tr, run, step_loss, lr, log)
                 saved = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
                 with interrupt.busy():

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from dtlab.config import SyntheticConfig
 from dtlab.data.arrays import ArrayDataset, translate
 
+CHUNK = 512  # samples built at a time (a multiple of 16)
+
 
 def _generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
@@ -27,11 +29,21 @@ def synthetic_images(
     coarse = torch.randn(k, c, 4, 4, generator=g, device=device)
     protos = F.interpolate(coarse, size=(s, s), mode="bilinear", align_corners=False)
 
+    # Built CHUNK samples at a time into the data set's own tensor: shifting a whole data set at
+    # once held 3.4x its size (the gathered prototypes, their padding, the result) on the device.
+    # Noise drawn in chunks of a multiple of 16 samples is, on CPU, the same numbers as one draw.
+    chunk = CHUNK if c * s * s >= 16 else cfg.train_samples + cfg.val_samples
+
     def make(n: int) -> ArrayDataset:
         labels = torch.randint(0, k, (n,), generator=g, device=device)
         dy, dx = torch.randint(-3, 4, (2, n), generator=g, device=device)
-        x = translate(protos[labels], dy, dx, pad=3)
-        x = x + cfg.noise * torch.randn(n, c, s, s, generator=g, device=device)
+        x = torch.empty(n, c, s, s, device=device)
+        for i in range(0, n, chunk):
+            j = slice(i, i + chunk)
+            x[j] = translate(protos[labels[j]], dy[j], dx[j], pad=3)
+        for i in range(0, n, chunk):
+            m = min(chunk, n - i)
+            x[i : i + m] += cfg.noise * torch.randn(m, c, s, s, generator=g, device=device)
         x /= (1 + cfg.noise**2) ** 0.5  # unit variance whatever the noise: only the SNR changes
         return ArrayDataset(x, labels)
 
