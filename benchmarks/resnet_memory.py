@@ -55,7 +55,7 @@ def dtlab_side(args: argparse.Namespace, out: Path) -> dict:
 
 def hand_side(args: argparse.Namespace, out: Path) -> dict:
     """gpu_baseline's hand-written ResNet-18, stepped by hand; run in its own process."""
-    from gpu_baseline import hand_model
+    from hand_models import hand_model
     from torch.profiler import ProfilerActivity, profile
 
     from dtlab import numerics
