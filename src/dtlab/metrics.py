@@ -2,12 +2,12 @@
 
 Memory is reported two ways. Peak memory per rank is what the allocator saw (CUDA: max allocated
 and reserved; CPU: the process's peak RSS) over the timed steps (and the evaluations and summary
-after them); the set-up's and the warm-up steps' peaks stand beside it as `setup_*` and `warmup_*`,
-so that building a data set on the device or autotuning in the first steps does not pass for what a
-step needs. State bytes per rank are exact: the bytes of the
-storages behind the parameters, gradients and optimizer state this rank holds (local shards only,
-each storage counted once). On CPU, glibc's allocator hides FSDP's savings from peak RSS, so the
-state bytes are the honest comparison there.
+after them); the set-up's and the warm-up steps' peaks stand beside it as `setup_*` and
+`warmup_*`, so that building a data set on the device or autotuning in the first steps does not
+pass for what a step needs. State bytes per rank are exact: the bytes of the storages behind the
+parameters, gradients and optimizer state this rank holds (local shards only, each storage counted
+once). On CPU, glibc's allocator hides FSDP's savings from peak RSS, so the state bytes are the
+honest comparison there.
 """
 
 from __future__ import annotations
