@@ -38,12 +38,10 @@ def synthetic_images(
         labels = torch.randint(0, k, (n,), generator=g, device=device)
         dy, dx = torch.randint(-3, 4, (2, n), generator=g, device=device)
         x = torch.empty(n, c, s, s, device=device)
-        for i in range(0, n, chunk):
-            j = slice(i, i + chunk)
-            x[j] = translate(protos[labels[j]], dy[j], dx[j], pad=3)
-        for i in range(0, n, chunk):
-            m = min(chunk, n - i)
-            x[i : i + m] += cfg.noise * torch.randn(m, c, s, s, generator=g, device=device)
+        for i in range(0, n, chunk):  # the shift draws nothing: the noise is drawn in order
+            j = slice(i, min(i + chunk, n))
+            x[j] = translate(protos[labels[j]], dy[j], dx[j], pad=3) + cfg.noise * torch.randn(
+                j.stop - i, c, s, s, generator=g, device=device)
         x /= (1 + cfg.noise**2) ** 0.5  # unit variance whatever the noise: only the SNR changes
         return ArrayDataset(x, labels)
 
