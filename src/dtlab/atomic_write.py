@@ -92,23 +92,24 @@ def swap_in(new: Path, path: Path) -> None:
     replaces a directory in two (the old one set aside, the new one renamed in), with signals
     held in between: `path` is the old version or the whole new one, never a mix, and a crash
     between the renames leaves the old one set aside, which clean_leftovers restores."""
-    old = beside(path, "old")
-    with signals_held():
-        if os.path.isdir(path) and not os.path.islink(path) and os.path.isdir(new):
-            os.rename(path, old)
-            try:
-                os.rename(new, path)
-            except BaseException:
-                os.rename(old, path)
-                raise
-            trash = beside(path, "trash")
-            os.rename(old, trash)
-        else:
-            os.replace(new, path)
-            trash = None
-        sync(path.parent)
-    if trash is not None:
-        remove(trash)
+    old, trash = beside(path, "old"), None
+    try:
+        with signals_held():  # a signal that came meanwhile is raised on leaving the block
+            if os.path.isdir(path) and not os.path.islink(path) and os.path.isdir(new):
+                os.rename(path, old)
+                try:
+                    os.rename(new, path)
+                except BaseException:
+                    os.rename(old, path)
+                    raise
+                trash = beside(path, "trash")
+                os.rename(old, trash)
+            else:
+                os.replace(new, path)
+            sync(path.parent)
+    finally:
+        if trash is not None:
+            remove(trash)
 
 
 def sync(path: Path) -> None:

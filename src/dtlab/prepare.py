@@ -171,7 +171,7 @@ def prepare(inputs: list[str], out: Path, tokenizer: str = "bytes", val_fraction
         new.mkdir()
         if out.is_dir():  # a shared data directory keeps its permissions
             os.chmod(new, out.stat().st_mode & 0o7777)
-        meta.update(_tokenize(sources, tok, tokenizer, dtype, new, text_field, workers,
+        meta.update(_tokenize(sources, tok, tokenizer, dtype, new, out, text_field, workers,
                               val_fraction))
         meta.update(vocab_size=tok.vocab_size, dtype=np.dtype(dtype).name, tokenizer=tok.spec(),
                     eos=tok.eos, sources=[str(s) for s in sources])
@@ -205,9 +205,10 @@ def check_out(out: Path) -> None:
 
 
 def _tokenize(sources: list[Path | str], tok: tokenizers.Tokenizer, tokenizer: str, dtype: type,
-              new: Path, text_field: str, workers: int, val_fraction: float) -> dict[str, Any]:
-    """Encode every document into one stream in `new`, then split it into train.bin and
-    val.bin there; returns their counts, sizes and checksums."""
+              new: Path, out: Path, text_field: str, workers: int,
+              val_fraction: float) -> dict[str, Any]:
+    """Encode every document into one stream in `new` (the draft of `out`), then split it into
+    train.bin and val.bin there; returns their counts, sizes and checksums."""
     local = [s for s in sources if isinstance(s, Path)]
     size = sum(s.stat().st_size for s in local)
     stream = new / ".tokens.tmp"
@@ -223,16 +224,16 @@ def _tokenize(sources: list[Path | str], tok: tokenizers.Tokenizer, tokenizer: s
                 encoded = (_encode(tok, chunk) for chunk in _chunks(sources, text_field))
             try:
                 for ids, n_bytes, n_docs in encoded:
-                    _write(new, f.write, np.asarray(ids, dtype=dtype).tobytes())
+                    _write(out, f.write, np.asarray(ids, dtype=dtype).tobytes())
                     total += len(ids)
                     docs += n_docs
                     if bar is not None:
                         bar.update(n_bytes)
-                _write(new, f.flush)  # so that closing the file has nothing left to write
+                _write(out, f.flush)  # so that closing the file has nothing left to write
             finally:
                 if pool is not None:
                     pool.terminate()
-        meta = _write(new, _split, stream, new, dtype, total, val_fraction)
+        meta = _write(out, _split, stream, new, dtype, total, val_fraction)
     finally:
         stream.unlink(missing_ok=True)
         if bar is not None:
