@@ -54,6 +54,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cfg.data.name == "tokens":  # every rank would find a bad token file: say it once, here
         from dtlab.data import tokens
 
+        tokens.check_dataset(Path(cfg.data.dir))  # sizes and checksums against meta.json
         for split in ("train", "val"):
             tokens.open_split(Path(cfg.data.dir), split, cfg.model.vocab_size, cfg.model.block_size,
                               cfg.model.VOCAB_KEY)
@@ -130,13 +131,14 @@ def cmd_export(args: argparse.Namespace) -> int:
                            "pass a checkpoint directory, RUN_DIR/checkpoints/step_NNNNNN")
     if args.format == "hf":
         max_shard = parse_size(args.max_shard_size or DEFAULT_SHARD)
-        print(f"written: {export_hf(checkpoint, Path(args.output or 'hf-model'), max_shard)}")
+        out = Path(args.output or "hf-model")
+        print(f"written: {export_hf(checkpoint, out, max_shard, args.overwrite)}")
         return 0
     if args.max_shard_size is not None:
         raise DtlabError("--max-shard-size applies to --format hf; fix: add --format hf, or "
                          "drop --max-shard-size")
     output = output_file("-o/--output", args.output or "model.safetensors", "model.safetensors")
-    print(f"written: {export(checkpoint, output)}")
+    print(f"written: {export(checkpoint, output, args.overwrite)}")
     return 0
 
 
@@ -256,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", metavar="SIZE", help="with --format hf: largest weight "
                    "file, e.g. 500MB, 2GB, 4GiB; above it the weights are split into "
                    "model-0000i-of-0000N.safetensors and an index (default: 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace -o even when it is not an "
+                   "earlier export of the same format (an earlier one is replaced without it)")
     p.set_defaults(func=cmd_export)
 
     from dtlab.estimate.cli import (

@@ -2,21 +2,21 @@
 in one process. `--format hf -o DIR`: a directory that Hugging Face transformers loads
 (config.json and safetensors weights in the model's HF layout, sharded above --max-shard-size),
 read from the checkpoint one block at a time. The output is checked before anything is loaded
-and written whole or not at all."""
+and written whole or not at all (dtlab/atomic_write.py); it replaces only an earlier export of
+the same kind (marked in its safetensors headers) unless --overwrite is given."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dtlab import files, lora
+from dtlab import atomic_write, files, lora
 from dtlab.checkpoint import _safe_reader, dcp_load, verify
 from dtlab.errors import DtlabError
 from dtlab.models import gpt_hf, hf
@@ -28,6 +28,13 @@ Layout = Callable[[Any, Mapping[str, torch.Tensor]],
 # (models/gpt_hf.py is the example); the rest of the export does not depend on the model.
 HF_LAYOUTS: dict[str, Layout] = {"gpt": gpt_hf.to_gpt2, "hf": hf.to_hf}
 DEFAULT_SHARD = "5GB"
+# Written into every exported safetensors header: an earlier export (this key, the same kind)
+# may be replaced without --overwrite; any other file or directory may not.
+MARK = "dtlab_export"
+KINDS = {"safetensors": "file", "hf": "directory"}
+DEFAULTS = {"safetensors": "model.safetensors", "hf": "hf-model"}
+HF_FILES = re.compile(r"config\.json|model(-\d{5}-of-\d{5})?\.safetensors|"
+                      r"model\.safetensors\.index\.json")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -44,7 +51,7 @@ def checkpoint_model(path: Path) -> tuple[Any, Any]:
     return cfg, model
 
 
-def export(path: Path, out: Path) -> Path:
+def export(path: Path, out: Path, overwrite: bool = False) -> Path:
     """The full (unsharded) model of a checkpoint as one safetensors file, in one process."""
     from safetensors.torch import save_file
 
@@ -52,16 +59,68 @@ def export(path: Path, out: Path) -> Path:
     problem = files.not_a_directory(out.parent, "the directory of -o", "choose another -o")
     if problem:
         raise DtlabError(problem)
+    check_replace(out, "safetensors", path, overwrite)
     cfg, model = checkpoint_model(path)
     merged = lora.plain(model.state_dict(), cfg.train.lora)  # adapters folded into the weights
     state = {k: merged[k].detach().clone().contiguous() for k in merged}
 
     def write(tmp: Path) -> None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(tmp))
+        save_file(state, str(tmp), metadata={"format": "pt", MARK: "safetensors"})
+        os.chmod(tmp, 0o666 & ~_umask())
 
-    files.write_whole(out, write, f"writing '{out}'", "-o")
+    atomic_write.write_atomic(out, write, f"writing '{out}'", "-o")
     return out
+
+
+def export_mark(file: Path) -> str | None:
+    """The kind of `dtlab export` that wrote a safetensors file (its header's metadata), None
+    for any other file. Only the JSON header is read."""
+    try:
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length)) if 2 <= length <= 100 << 20 else None
+    except (OSError, ValueError):
+        return None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    mark = meta.get(MARK) if isinstance(meta, dict) else None
+    return mark if isinstance(mark, str) else None
+
+
+def _not_an_export(out: Path, kind: str) -> str | None:
+    """Why replacing `out` could lose something (it is not an earlier export of `kind`), or
+    None when it is one, or when nothing is there."""
+    if not out.exists() and not out.is_symlink():
+        return None
+    if kind == "safetensors":
+        return None if export_mark(out) == kind else "is a file that dtlab export did not write"
+    names = sorted(p.name for p in out.iterdir())
+    if not names:
+        return None
+    others = [n for n in names if not HF_FILES.fullmatch(n)]
+    if others:
+        return f"is a directory holding files dtlab export did not write ({', '.join(others[:3])})"
+    if not any(export_mark(out / n) == kind for n in names if n.endswith(".safetensors")):
+        return "is a directory that is not an earlier dtlab export --format hf"
+    return None
+
+
+def check_replace(out: Path, kind: str, checkpoint: Path, overwrite: bool) -> None:
+    """Before anything is loaded: `out` is new, empty, or an earlier export of this kind (which
+    is replaced); anything else only with --overwrite. Never the checkpoint or a path inside
+    or around it, which the replacement would delete."""
+    source, target = Path(checkpoint).resolve(), out.resolve()
+    if target == source or source in target.parents or target in source.parents:
+        raise DtlabError(f"-o/--output '{out}' overlaps the checkpoint '{checkpoint}' it is "
+                         "read from; fix: choose a path outside the checkpoint and its run")
+    if any(target == p or target in p.parents for p in (Path.cwd().resolve(),
+                                                       Path.home().resolve())):
+        raise DtlabError(f"-o/--output '{out}' holds the current or the home directory, which an "
+                         f"export replaces; fix: name a new {KINDS[kind]}, e.g. -o "
+                         f"{out / DEFAULTS[kind]}")
+    why = _not_an_export(out, kind)
+    if why and not overwrite:
+        raise DtlabError(f"-o/--output '{out}' {why}, and exporting would replace it; fix: "
+                         "choose another -o, or add --overwrite to replace it")
 
 
 def parse_size(text: str, flag: str = "--max-shard-size") -> int:
@@ -76,7 +135,7 @@ def parse_size(text: str, flag: str = "--max-shard-size") -> int:
     return size
 
 
-def export_hf(path: Path, out: Path, max_shard_bytes: int) -> Path:
+def export_hf(path: Path, out: Path, max_shard_bytes: int, overwrite: bool = False) -> Path:
     """A checkpoint's model as a Hugging Face directory: config.json plus model.safetensors, or
     model-0000i-of-0000N.safetensors and model.safetensors.index.json above max_shard_bytes.
     Memory: about one block of the checkpoint plus one output shard."""
@@ -86,10 +145,8 @@ def export_hf(path: Path, out: Path, max_shard_bytes: int) -> Path:
     problem = files.not_a_directory(out, "-o/--output", "name a new directory")
     if problem:
         raise DtlabError(problem)
-    if out.is_dir() and any(out.iterdir()):
-        raise DtlabError(f"-o/--output '{out}' is a directory that is not empty; fix: name a new "
-                         "directory, or empty this one")
-    files.check_writable_dir(out, "-o/--output")
+    check_replace(out, "hf", path, overwrite)
+    files.check_writable_dir(out, "-o/--output", beside=True)
     cfg = Config.model_validate(verify(path)["config"])
     model_cfg = cfg.model
     layout = HF_LAYOUTS.get(model_cfg.name)
@@ -100,12 +157,11 @@ def export_hf(path: Path, out: Path, max_shard_bytes: int) -> Path:
     config, tensors = layout(model_cfg, lora.plain(CheckpointTensors(path), cfg.train.lora))
 
     def write(tmp: Path) -> None:
-        shutil.rmtree(tmp, ignore_errors=True)  # a draft an interrupted export left
-        tmp.mkdir(parents=True)
+        tmp.mkdir()
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_shards(tensors, tmp, max_shard_bytes)
 
-    files.write_whole(out, write, f"writing '{out}'", "-o")
+    atomic_write.write_atomic(out, write, f"writing '{out}'", "-o")
     return out
 
 
@@ -162,7 +218,8 @@ def write_shards(tensors: Iterable[tuple[str, torch.Tensor]], directory: Path,
     size = total = 0
 
     def flush() -> None:  # named once the count is known
-        save_file(shard, str(directory / f".shard-{len(shards)}"), metadata={"format": "pt"})
+        save_file(shard, str(directory / f".shard-{len(shards)}"), metadata={"format": "pt",
+                                                                           MARK: "hf"})
         shards.append(list(shard))
 
     for name, tensor in tensors:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import resource
@@ -91,21 +92,25 @@ def not_a_directory(path: Path, key: str, fix: str | None = None) -> str | None:
     return None
 
 
-def check_writable_dir(path: Path, key: str) -> None:
+def check_writable_dir(path: Path, key: str, beside: bool = False) -> None:
     """`path` is, or can be created as, a directory files can be written into (DtlabError if
-    not). Nothing is created: a run refused later for another reason leaves no directory."""
+    not); beside: files can be written next to it (where a whole-or-absent replacement of the
+    directory is drafted). Nothing is created: a run refused later for another reason leaves
+    no directory."""
     path = Path(path)
     problem = not_a_directory(path, key)
     if problem:
         raise DtlabError(problem)
-    existing = next(p for p in (path, *path.parents, Path.cwd()) if p.exists())
+    where = "beside" if beside else "in"
+    candidates = (*path.parents, Path.cwd()) if beside else (path, *path.parents, Path.cwd())
+    existing = next(p for p in candidates if p.exists())
     try:
         # Permission bits do not tell (root ignores them; a read-only mount does not): write.
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".dtlab-write-test-") as probe:
             probe.write(b"x")
             probe.flush()
     except OSError as e:
-        raise DtlabError(describe(e, f"creating a file in {key} '{path}'", key)) from None
+        raise DtlabError(describe(e, f"creating a file {where} {key} '{path}'", key)) from None
 
 
 def free_bytes(path: Path) -> int | None:
@@ -176,3 +181,12 @@ def write_whole(path: Path, write: Callable[[Path], object], doing: str, key: st
 def write_text(path: Path, text: str, key: str) -> None:
     """A small file of the run, written whole or not at all (before training: DtlabError)."""
     write_whole(path, lambda tmp: tmp.write_text(text), f"writing '{path}'", key)
+
+
+def file_sha256(path: Path) -> str:
+    """The file's sha256, read in 16 MB pieces (a signal is handled between them)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(16 << 20):
+            digest.update(piece)
+    return digest.hexdigest()

@@ -6,8 +6,10 @@ Inputs: .txt/.md files (one document each), .jsonl (one document per line, its `
 dataset when the `datasets` package and the network are there. Every document is encoded, followed
 by the tokenizer's end-of-text token when it has one; the last `--val-fraction` of the token stream
 is the validation split, as nanoGPT splits it. Large inputs are encoded by `--workers` processes,
-in input order (the output does not depend on the worker count). Each file appears whole or not
-at all (dtlab/files.py: written beside its name, then renamed); a refused write is one line.
+in input order (the output does not depend on the worker count). The data set appears whole or
+not at all: it is built in a hidden directory beside --out and swapped in complete
+(dtlab/atomic_write.py); meta.json records each file's size and sha256, which `train` checks. A
+refused write is one line.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from dtlab import files
+from dtlab import atomic_write, files
 from dtlab import tokenizer as tokenizers
 from dtlab.errors import ConfigError, DataError, DtlabError
 
@@ -31,6 +33,8 @@ TEXT_SUFFIXES = {".txt", ".md", ".text"}
 SUFFIXES = TEXT_SUFFIXES | {".jsonl", ".parquet"}
 CHUNK_CHARS = 1 << 20  # documents go to the workers in chunks of about 1 MB of text
 POOL_FROM_BYTES = 4 << 20  # smaller inputs are encoded in this process
+# What a token directory holds (.tokens.tmp: the stream an older dtlab could leave behind).
+DATA_SET_FILES = {"train.bin", "val.bin", "meta.json", ".tokens.tmp"}
 
 
 def input_files(inputs: list[str]) -> list[Path | str]:
@@ -55,6 +59,13 @@ def input_files(inputs: list[str]) -> list[Path | str]:
         else:
             raise DataError(f"{item} not found; fix: pass text files, a directory of them, or "
                             "a Hugging Face dataset name such as roneneldan/TinyStories")
+    for source in found:  # an unreadable file is found now, not after the rest is encoded
+        if isinstance(source, Path):
+            try:
+                open(source, "rb").close()
+            except OSError as e:
+                raise DataError(f"{source} cannot be read ({e.strerror}); fix: check its "
+                                "permissions (chmod u+r), or leave it out") from None
     return found
 
 
@@ -144,20 +155,67 @@ def _encode(tok: tokenizers.Tokenizer, chunk: list[str]) -> tuple[list[int], int
 
 def prepare(inputs: list[str], out: Path, tokenizer: str = "bytes", val_fraction: float = 0.1,
             text_field: str = "text", workers: int = 0) -> dict[str, Any]:
-    """Tokenize `inputs` into OUT/{train,val}.bin and OUT/meta.json; returns meta.json's content."""
+    """Tokenize `inputs` into OUT/{train,val}.bin and OUT/meta.json; returns meta.json's content.
+    The set is built in a hidden directory beside OUT and swapped in whole (atomic_write): an
+    interrupted or failed prepare leaves the earlier set as it was, or no OUT at all."""
     sources = input_files(inputs)
     tok = tokenizers.load(tokenizer)
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+    workers = workers or min(8, len(os.sched_getaffinity(0)))
+    out = Path(out)
+    check_out(out)
+    files.check_writable_dir(out, "--out", beside=True)
+    meta: dict[str, Any] = {}
+
+    def build(new: Path) -> None:
+        new.mkdir()
+        if out.is_dir():  # a shared data directory keeps its permissions
+            os.chmod(new, out.stat().st_mode & 0o7777)
+        meta.update(_tokenize(sources, tok, tokenizer, dtype, new, out, text_field, workers,
+                              val_fraction))
+        meta.update(vocab_size=tok.vocab_size, dtype=np.dtype(dtype).name, tokenizer=tok.spec(),
+                    eos=tok.eos, sources=[str(s) for s in sources])
+        _write(out, (new / "meta.json").write_text, json.dumps(meta, indent=1) + "\n")
+
+    atomic_write.write_atomic(out, build, f"writing the token files in '{out}'", "--out")
+    return meta
+
+
+def check_out(out: Path) -> None:
+    """--out can take a data set: a new directory, an empty one, or an earlier data set.
+    Re-preparing replaces the whole directory, so one holding anything else is refused rather
+    than deleted; so are the current directory (and those above it) and a mount point, which
+    cannot be renamed."""
+    target, here = out.resolve(), Path.cwd().resolve()
+    below = f"choose a directory below it, e.g. --out {out / 'tokens'}"
+    if target == here or target in here.parents:
+        raise DataError(f"--out '{out}' is the current directory or holds it, and preparing "
+                        f"replaces the whole directory; fix: {below}")
+    if os.path.ismount(target):
+        raise DataError(f"--out '{out}' is a mount point, which cannot be replaced whole; "
+                        f"fix: {below}")
+    if target.is_dir():
+        others = sorted(p.name for p in target.iterdir() if p.name not in DATA_SET_FILES)
+        if others:
+            shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3
+                                             else "")
+            raise DataError(f"--out '{out}' holds files that are not a token data set ({shown}),"
+                            " and preparing replaces the whole directory; fix: choose another "
+                            f"--out, e.g. {out / 'tokens'}, or move those files out of it")
+
+
+def _tokenize(sources: list[Path | str], tok: tokenizers.Tokenizer, tokenizer: str, dtype: type,
+              new: Path, out: Path, text_field: str, workers: int,
+              val_fraction: float) -> dict[str, Any]:
+    """Encode every document into one stream in `new` (the draft of `out`), then split it into
+    train.bin and val.bin there; returns their counts, sizes and checksums."""
     local = [s for s in sources if isinstance(s, Path)]
     size = sum(s.stat().st_size for s in local)
-    workers = workers or min(8, len(os.sched_getaffinity(0)))
-    files.check_writable_dir(out, "--out")
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".tokens.tmp"
+    stream = new / ".tokens.tmp"
     bar = _bar(size if len(local) == len(sources) else None)
     total = docs = 0
     try:
-        with open(tmp, "wb") as f:
+        with open(stream, "wb") as f:
             pool = None
             if workers > 1 and (size >= POOL_FROM_BYTES or len(local) < len(sources)):
                 pool = get_context("spawn").Pool(workers, _start_worker, (tokenizer,))
@@ -175,15 +233,12 @@ def prepare(inputs: list[str], out: Path, tokenizer: str = "bytes", val_fraction
             finally:
                 if pool is not None:
                     pool.terminate()
-        meta = _write(out, _split, tmp, out, dtype, total, val_fraction)
+        meta = _write(out, _split, stream, new, dtype, total, val_fraction)
     finally:
-        tmp.unlink(missing_ok=True)
+        stream.unlink(missing_ok=True)
         if bar is not None:
             bar.close()
-    meta.update(vocab_size=tok.vocab_size, dtype=np.dtype(dtype).name, tokenizer=tok.spec(),
-                eos=tok.eos, documents=docs, sources=[str(s) for s in sources])
-    files.write_text(out / "meta.json", json.dumps(meta, indent=1) + "\n", "--out")
-    return meta
+    return {**meta, "documents": docs}
 
 
 def _write(out: Path, write: Any, *args: Any) -> Any:
@@ -194,15 +249,20 @@ def _write(out: Path, write: Any, *args: Any) -> Any:
         raise DtlabError(files.describe(e, f"writing the token files in '{out}'", "--out")) from None
 
 
-def _split(tmp: Path, out: Path, dtype: type, total: int, val_fraction: float) -> dict[str, Any]:
+def _split(stream: Path, new: Path, dtype: type, total: int,
+           val_fraction: float) -> dict[str, Any]:
     val = math.ceil(total * val_fraction)
     if total == 0 or val == 0 or val == total:
         raise DataError(f"the inputs give {total} tokens, too few for a train and a validation "
                         f"split at --val-fraction {val_fraction}; fix: add text")
-    tokens = np.memmap(tmp, dtype=dtype, mode="r")
+    tokens = np.memmap(stream, dtype=dtype, mode="r")
+    written = {}
     for name, part in (("train", tokens[: total - val]), ("val", tokens[total - val :])):
-        files.replace_whole(out / f"{name}.bin", part.tofile)
-    return {"tokens": {"train": total - val, "val": val}}
+        path = new / f"{name}.bin"
+        part.tofile(path)
+        written[path.name] = {"bytes": path.stat().st_size, "sha256": files.file_sha256(path)}
+    del tokens  # the memory map, before the stream is deleted
+    return {"tokens": {"train": total - val, "val": val}, "files": written}
 
 
 def _bar(total_bytes: int | None) -> Any:

@@ -15,7 +15,8 @@ def add_prepare_arguments(p: argparse.ArgumentParser) -> None:
                    help=".txt/.md/.jsonl/.parquet files, directories of them, or a Hugging Face "
                         "dataset name (needs `datasets` and the network)")
     p.add_argument("--out", required=True, metavar="DIR",
-                   help="directory for train.bin, val.bin and meta.json (data.dir of a run)")
+                   help="directory for train.bin, val.bin and meta.json (data.dir of a run): "
+                        "new, empty, or an earlier data set, which is replaced whole")
     p.add_argument("--tokenizer", default="bytes", metavar="NAME",
                    help="bytes (UTF-8 bytes, vocabulary 256: the GPT configs' size), gpt2 "
                         "(tiktoken), or a local Hugging Face tokenizer directory (default: bytes)")

@@ -55,7 +55,7 @@ def spec_for(cfg: Config) -> DataSpec:
 
 def check_data_dir(cfg: Config) -> None:
     """Before any rank starts (one message, not one per rank): data.dir can be a directory, and
-    a token data set's files are there."""
+    a token data set's files are there and are the ones its meta.json describes."""
     d = cfg.data
     if d.name == "synthetic":
         return
@@ -63,8 +63,7 @@ def check_data_dir(cfg: Config) -> None:
     if problem:
         raise DataError(problem)
     if cfg.model.name in LANGUAGE_MODELS:
-        for split in ("train", "val"):
-            tokens.check_file(Path(d.dir), split)
+        tokens.check_dataset(Path(d.dir))
 
 
 def _limit(ds: ArrayDataset, n: int) -> ArrayDataset:
