@@ -23,7 +23,7 @@ from dtlab.cli_args import output_dir
 from dtlab.config import check_environment, check_world, load_config
 from dtlab.errors import ConfigError
 from dtlab.interrupt import INTERRUPT_CODES, Interrupted, forwarding, requested
-from dtlab.machine_load import warning
+from dtlab.machine_load import mfu_line, warning
 from dtlab.strategies import registry
 from dtlab.strategies.registry import parse as parse_spec
 from dtlab.strategies.registry import ranks as spec_ranks
@@ -112,12 +112,20 @@ def columns(rows: list[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(k for r in rows for k in r))  # single has no communication columns
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
+def print_table(rows: list[dict[str, Any]], summaries: dict[str, dict[str, Any]]) -> None:
+    """The table, what its speeds are of, and where each MFU's peak comes from (or why there
+    is none): a number that cannot be true is shown as n/a, never as a result."""
     cols = columns(rows)
-    width = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
+    cells = [{c: "n/a" if r.get(c, "") is None else str(r.get(c, "")) for c in cols} for r in rows]
+    width = {c: max(len(c), *(len(r[c]) for r in cells)) for c in cols}
     print("  ".join(c.ljust(width[c]) for c in cols))
+    for r in cells:
+        print("  ".join(r[c].ljust(width[c]) for c in cols))
+    print("samples_per_s, step_time_ms, tflops_per_rank, mfu_pct: of the median timed step")
     for r in rows:
-        print("  ".join(str(r.get(c, "")).ljust(width[c]) for c in cols))
+        s = summaries[r["strategy"]]
+        if s.get("mfu_note"):
+            print(f"{r['strategy']}: {mfu_line(s)}")
 
 
 def run_train(cmd: list[str]) -> int:
@@ -223,7 +231,7 @@ def compare(args: argparse.Namespace) -> int:
                 bad.append(f"{spec}: loss deviation {dl:.2e}, parameter deviation {dp:.2e}")
     if rows:
         print()
-        print_table(rows)
+        print_table(rows, {spec: r[0] for spec, r in results.items()})
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "compare.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=columns(rows))
