@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from dtlab.cli_args import (
+    CommandParser,
     Parser,
     add_launch_arguments,
     input_dir,
@@ -171,7 +172,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dtlab", description="A distributed-training lab for PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=CommandParser)
 
     p = sub.add_parser("train", help="train with one strategy (torchrun-compatible)")
     add_launch_arguments(p)
