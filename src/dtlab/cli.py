@@ -187,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of strategies; fsdp1:SHARD_GRAD_OP selects a sharding "
                         "strategy, pp:gpipe a pipeline schedule, @MP or @DPxMP a mesh "
                         "(fsdp_tp@2x2 runs on 4 ranks)")
-    p.add_argument("--nproc-per-node", type=integer(1, "--nproc-per-node 2"), default=2,
-                   metavar="N", help="ranks of each multi-process strategy (single runs on 1)")
+    p.add_argument("--nproc-per-node", type=integer(1, "--nproc-per-node 2"), metavar="N",
+                   help="ranks of each multi-process strategy (single runs on 1; a mesh shape "
+                   "must have this many ranks when it is given) (default: 2)")
     p.add_argument("--config", metavar="FILE",
                    help="YAML config file (default: the built-in quick config)")
     p.add_argument("--out", default="runs/compare", metavar="DIR",

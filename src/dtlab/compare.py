@@ -25,10 +25,12 @@ from dtlab.errors import ConfigError
 from dtlab.interrupt import INTERRUPT_CODES, Interrupted, forwarding, requested
 from dtlab.machine_load import mfu_line, warning
 from dtlab.strategies import registry
+from dtlab.strategies.registry import fixed_ranks, mesh_mismatch
 from dtlab.strategies.registry import parse as parse_spec
 from dtlab.strategies.registry import ranks as spec_ranks
 
 MiB = 1024 * 1024
+DEFAULT_NPROC = 2  # ranks of a multi-process strategy without a mesh shape
 
 
 def run_label(spec: str) -> str:
@@ -166,6 +168,10 @@ def check_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
     plans = {}
     for spec in specs:
         plans[spec] = parse_spec(spec)
+    if args.nproc_per_node is not None:
+        check_mesh_ranks(specs, args.nproc_per_node)
+    args.nproc_per_node = args.nproc_per_node or DEFAULT_NPROC
+    for spec in specs:
         nproc = spec_ranks(spec, args.nproc_per_node)
         try:
             cfg = load_config(args.config, [*args.overrides, *plans[spec]])
@@ -174,6 +180,20 @@ def check_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
         except ConfigError as e:
             raise ConfigError(f"--strategies {spec} on {nproc} rank(s): {e}") from None
     return plans
+
+
+def check_mesh_ranks(specs: list[str], nproc: int) -> None:
+    """--nproc-per-node given, and a mesh shape (@DPxMP) that asks for another number of ranks:
+    refused when no strategy runs on --nproc-per-node (it would be ignored), else said before
+    any run starts."""
+    differ = [s for s in specs if mesh_mismatch(s, nproc, "--nproc-per-node")]
+    if not differ:
+        return
+    if all(fixed_ranks(s) for s in specs):
+        raise ConfigError(mesh_mismatch(differ[0], nproc, "--nproc-per-node"))
+    meshes = ", ".join(f"{s} on {fixed_ranks(s)}" for s in differ)
+    print(f"dtlab: note: {meshes} ranks (a mesh sets its ranks); the other strategies on "
+          f"--nproc-per-node {nproc}", file=sys.stderr, flush=True)
 
 
 def verify_numerics(args: argparse.Namespace) -> list[str]:
