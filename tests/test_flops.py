@@ -76,10 +76,16 @@ def test_a_run_reports_tflops_and_mfu_against_the_measured_cpu_matmul(tmp_path: 
                     "data.synthetic.val_samples=32", config=str(CONFIGS / "fsdp_gpt.yaml"))
     steps = summary["median_step_time_s"]
     assert summary["tflops_per_rank"] == pytest.approx(summary["flops_per_step"] / steps / 1e12)
-    assert summary["mfu"] == pytest.approx(summary["tflops_per_rank"] / summary["peak_tflops"])
-    assert 0 < summary["mfu"] < 1.5  # a matmul on the spot vs a whole step: same order
-    assert summary["mfu_note"].startswith("float32 matmul measured on this CPU")
+    if summary["mfu"] is None:  # a loaded machine or an MFU above 100%: withheld, said why
+        assert summary["mfu_note"].startswith("withheld: ")
+        assert summary["timing"]["unreliable"] or "% of the peak of" in summary["mfu_note"]
+    else:
+        assert summary["mfu"] == pytest.approx(summary["tflops_per_rank"] / summary["peak_tflops"])
+        assert 0 < summary["mfu"] <= 1  # a matmul before the run vs a whole step: same order
+        assert summary["mfu_note"].startswith("float32 matmul measured on this CPU before the "
+                                              "first step")
     row = row_for("single", summary)  # compare's table and results.csv carry them
+    mfu_pct = None if summary["mfu"] is None else round(100 * summary["mfu"], 1)
     assert (row["tflops_per_rank"], row["mfu_pct"]) == (round(summary["tflops_per_rank"], 4),
-                                                       round(100 * summary["mfu"], 1))
+                                                       mfu_pct)
     assert row_from_run(tmp_path, tmp_path.parent)["mfu"] == summary["mfu"]

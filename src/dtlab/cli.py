@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from dtlab.cli_args import (
+    CommandParser,
     Parser,
     add_launch_arguments,
     input_dir,
@@ -173,7 +174,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dtlab", description="A distributed-training lab for PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=CommandParser)
 
     p = sub.add_parser("train", help="train with one strategy (torchrun-compatible)")
     add_launch_arguments(p)
@@ -187,8 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of strategies; fsdp1:SHARD_GRAD_OP selects a sharding "
                         "strategy, pp:gpipe a pipeline schedule, @MP or @DPxMP a mesh "
                         "(fsdp_tp@2x2 runs on 4 ranks)")
-    p.add_argument("--nproc-per-node", type=integer(1, "--nproc-per-node 2"), default=2,
-                   metavar="N", help="ranks of each multi-process strategy (single runs on 1)")
+    p.add_argument("--nproc-per-node", type=integer(1, "--nproc-per-node 2"), metavar="N",
+                   help="ranks of each multi-process strategy (single runs on 1; a mesh shape "
+                   "must have this many ranks when it is given) (default: 2)")
     p.add_argument("--config", metavar="FILE",
                    help="YAML config file (default: the built-in quick config)")
     p.add_argument("--out", default="runs/compare", metavar="DIR",

@@ -28,6 +28,30 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"dtlab: error: {message}{fix}\n")
 
 
+class CommandParser(Parser):
+    """A command's parser (`dtlab train`, `compare`, ...): options and positionals (KEY=VALUE
+    overrides, inputs) in any order, as people type them: `dtlab train model.name=gpt
+    --nproc-per-node 2 train.lr=0.1`. Options are read first, then the positionals from what is
+    left; an unknown option is still refused by name."""
+
+    _mixing = False  # inside parse_known_intermixed_args, which calls parse_known_args twice
+
+    def parse_known_args(self, args: object = None,  # type: ignore[override]
+                         namespace: object = None) -> tuple[argparse.Namespace, list[str]]:
+        if self._mixing:
+            return super().parse_known_args(args, namespace)  # type: ignore[arg-type]
+        self._mixing = True
+        try:
+            namespace, extras = self.parse_known_intermixed_args(args, namespace)  # type: ignore[arg-type]
+        finally:
+            self._mixing = False
+        unknown = [a for a in extras if a.startswith("-")]
+        if unknown:  # named alone (not with the positionals after it), with this command's help
+            self.error(f"unrecognized arguments: {' '.join(unknown)}; fix: see "
+                       f"`{self.prog} --help`")
+        return namespace, extras
+
+
 class HelpFormatter(argparse.HelpFormatter):
     """Appends "(default: X)" to an option's help unless the help already names its default;
     flags read "(default: off)"."""

@@ -23,12 +23,14 @@ from dtlab.cli_args import output_dir
 from dtlab.config import check_environment, check_world, load_config
 from dtlab.errors import ConfigError
 from dtlab.interrupt import INTERRUPT_CODES, Interrupted, forwarding, requested
-from dtlab.machine_load import warning
+from dtlab.machine_load import mfu_line, warning
 from dtlab.strategies import registry
+from dtlab.strategies.registry import fixed_ranks, mesh_mismatch
 from dtlab.strategies.registry import parse as parse_spec
 from dtlab.strategies.registry import ranks as spec_ranks
 
 MiB = 1024 * 1024
+DEFAULT_NPROC = 2  # ranks of a multi-process strategy without a mesh shape
 
 
 def run_label(spec: str) -> str:
@@ -112,12 +114,20 @@ def columns(rows: list[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(k for r in rows for k in r))  # single has no communication columns
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
+def print_table(rows: list[dict[str, Any]], summaries: dict[str, dict[str, Any]]) -> None:
+    """The table, what its speeds are of, and where each MFU's peak comes from (or why there
+    is none): a number that cannot be true is shown as n/a, never as a result."""
     cols = columns(rows)
-    width = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
+    cells = [{c: "n/a" if r.get(c, "") is None else str(r.get(c, "")) for c in cols} for r in rows]
+    width = {c: max(len(c), *(len(r[c]) for r in cells)) for c in cols}
     print("  ".join(c.ljust(width[c]) for c in cols))
+    for r in cells:
+        print("  ".join(r[c].ljust(width[c]) for c in cols))
+    print("samples_per_s, step_time_ms, tflops_per_rank, mfu_pct: of the median timed step")
     for r in rows:
-        print("  ".join(str(r.get(c, "")).ljust(width[c]) for c in cols))
+        s = summaries[r["strategy"]]
+        if s.get("mfu_note"):
+            print(f"{r['strategy']}: {mfu_line(s)}")
 
 
 def run_train(cmd: list[str]) -> int:
@@ -158,6 +168,10 @@ def check_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
     plans = {}
     for spec in specs:
         plans[spec] = parse_spec(spec)
+    if args.nproc_per_node is not None:
+        check_mesh_ranks(specs, args.nproc_per_node)
+    args.nproc_per_node = args.nproc_per_node or DEFAULT_NPROC
+    for spec in specs:
         nproc = spec_ranks(spec, args.nproc_per_node)
         try:
             cfg = load_config(args.config, [*args.overrides, *plans[spec]])
@@ -166,6 +180,20 @@ def check_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
         except ConfigError as e:
             raise ConfigError(f"--strategies {spec} on {nproc} rank(s): {e}") from None
     return plans
+
+
+def check_mesh_ranks(specs: list[str], nproc: int) -> None:
+    """--nproc-per-node given, and a mesh shape (@DPxMP) that asks for another number of ranks:
+    refused when no strategy runs on --nproc-per-node (it would be ignored), else said before
+    any run starts."""
+    differ = [s for s in specs if mesh_mismatch(s, nproc, "--nproc-per-node")]
+    if not differ:
+        return
+    if all(fixed_ranks(s) for s in specs):
+        raise ConfigError(mesh_mismatch(differ[0], nproc, "--nproc-per-node"))
+    meshes = ", ".join(f"{s} on {fixed_ranks(s)}" for s in differ)
+    print(f"dtlab: note: {meshes} ranks (a mesh sets its ranks); the other strategies on "
+          f"--nproc-per-node {nproc}", file=sys.stderr, flush=True)
 
 
 def verify_numerics(args: argparse.Namespace) -> list[str]:
@@ -223,7 +251,7 @@ def compare(args: argparse.Namespace) -> int:
                 bad.append(f"{spec}: loss deviation {dl:.2e}, parameter deviation {dp:.2e}")
     if rows:
         print()
-        print_table(rows)
+        print_table(rows, {spec: r[0] for spec, r in results.items()})
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "compare.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=columns(rows))

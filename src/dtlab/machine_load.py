@@ -70,10 +70,23 @@ def busy_ticks() -> dict[int, int]:
     return ticks
 
 
+def cpu_peak_tflops() -> float | None:
+    """This rank's float32 matmul TFLOP/s with its threads, the CPU's peak for MFU (flops.py),
+    measured before the first step, as the steps will find the cores; None on a CUDA run."""
+    import torch
+
+    if torch.cuda.is_initialized():  # the model is on a GPU: its peak is the datasheet's
+        return None
+    from dtlab.flops import cpu_matmul_tflops
+
+    return cpu_matmul_tflops(torch.get_num_threads())
+
+
 @dataclass
 class LoadProbe:
     """The machine's state when training began; `finish` measures what happened since."""
 
+    cpu_tflops: float | None = field(default_factory=cpu_peak_tflops)  # first: not in cpu_s
     loadavg: list[float] | None = field(default_factory=load_average)
     ticks: dict[int, int] = field(default_factory=busy_ticks)
     cpu_s: float = field(default_factory=time.process_time)  # this process, all its threads
@@ -173,3 +186,12 @@ def warning(label: str, summary: dict[str, Any]) -> str | None:
         return None
     return f"WARN: {label}: timings unreliable ({'; '.join(reasons)}); rerun on an idle machine " \
            "with ranks x threads <= cores"
+
+
+def mfu_line(summary: dict[str, Any]) -> str:
+    """`MFU: 23.1% of 0.231 TFLOP/s per rank (where that peak comes from)`, or `MFU: n/a (why)`
+    (flops.py withholds an MFU that cannot be true, e.g. from a CPU peak measured under load)."""
+    mfu, top, note = summary.get("mfu"), summary.get("peak_tflops"), summary["mfu_note"]
+    if mfu is None or not top:
+        return f"MFU: n/a ({note})"
+    return f"MFU: {100 * mfu:.1f}% of {top:.3g} TFLOP/s per rank ({note})"

@@ -27,6 +27,7 @@ from torch import nn
 
 from dtlab import files
 from dtlab.errors import DtlabError, RunError
+from dtlab.machine_load import mfu_line
 
 if TYPE_CHECKING:
     from dtlab.config import Config
@@ -224,7 +225,11 @@ class MetricsLog:
         except OSError as e:
             self._failed(e, path, summary.get("steps"))
         flat = {k: v for k, v in summary.items() if isinstance(v, (int, float, str)) and k in SUMMARY_LINE}
+        if summary.get("mfu_note") and summary.get("mfu") is None and "peak_tflops" in summary:
+            flat["mfu"] = "n/a"  # withheld: the line after says why
         self._print(metric_line({"summary": 1, **flat}))
+        if summary.get("mfu_note"):
+            self._print(mfu_line(summary))
 
     def close(self) -> None:
         if self.bar is not None:
@@ -258,8 +263,10 @@ class MetricsLog:
 
 SUMMARY_LINE = (
     "strategy", "world_size", "steps", "median_step_time_s", "samples_per_s", "tokens_per_s",
-    "final_train_loss", "val_loss", "val_acc", "wall_time_s", "tflops_per_rank", "mfu",
+    "final_train_loss", "val_loss", "val_acc", "wall_time_s", "tflops_per_rank", "peak_tflops",
+    "mfu",
 )
+
 
 
 def log_step(cfg: Config, tr: Training, run: RunState, step_loss: torch.Tensor, lr: float,

@@ -6,16 +6,26 @@ checkpoint that verifies) or a checkpoint directory. The prompt is encoded, and 
 decoded, with the tokenizer its token data was prepared with (the data directory's meta.json:
 `dtlab prepare`); without one (synthetic tokens) the prompt is a list of token ids and the output
 is printed as ids. Sampling: temperature and top-k, on the CPU, from a seeded generator (the same
-command prints the same text).
+command prints the same text). The text is written as it is generated, and the rate on stderr at
+the end; --tokens is at most MAX_CONTEXTS x the model's context (block_size).
 """
 
 from __future__ import annotations
 
+import sys
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from dtlab import tokenizer as tokenizers
 from dtlab.errors import DtlabError
+
+# --tokens is bounded by this many of the model's contexts (block_size): past its context the
+# model sees only the last block_size tokens, and a command asked for 100,000 tokens runs for
+# an hour on a CPU
+MAX_CONTEXTS = 10
+DECODE_CONTEXT = 4  # ids decoded before the new one (see text_pieces)
 
 
 def load(source: Path) -> tuple[Any, Any]:
@@ -67,10 +77,25 @@ def prompt_ids(cfg: Any, tok: tokenizers.Tokenizer | None, prompt: str) -> list[
     return ids
 
 
+def check_tokens(tokens: int, prompt_len: int, block_size: int) -> None:
+    """Refuse more than MAX_CONTEXTS of the model's context (block_size) up front; say it when
+    the text outgrows the context (each token is then drawn from the last block_size only)."""
+    bound = MAX_CONTEXTS * block_size
+    if tokens > bound:
+        raise DtlabError(f"--tokens {tokens} is more than {MAX_CONTEXTS} x the model's context of "
+                         f"{block_size} tokens; fix: --tokens {bound} or fewer (beyond its context "
+                         f"the model sees only the last {block_size} tokens)")
+    if prompt_len + tokens > block_size:
+        print(f"dtlab: note: the prompt ({prompt_len}) and {tokens} new tokens outgrow the model's "
+              f"context of {block_size}: each token is drawn from the last {block_size} (a sliding "
+              "window)", file=sys.stderr, flush=True)
+
+
 def generate(model: Any, ids: list[int], tokens: int, block_size: int, temperature: float,
-             top_k: int, seed: int) -> list[int]:
-    """`tokens` new ids after `ids`: each from the softmax of the last position's logits over
-    temperature, restricted to the top_k most likely (0 = all); temperature 0 = the most likely."""
+             top_k: int, seed: int) -> Iterator[int]:
+    """`tokens` new ids after `ids`, one at a time as drawn: each from the softmax of the last
+    position's logits over temperature, restricted to the top_k most likely (0 = all);
+    temperature 0 = the most likely."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -86,16 +111,45 @@ def generate(model: Any, ids: list[int], tokens: int, block_size: int, temperatu
                     logits[logits < torch.topk(logits, top_k).values[-1]] = -float("inf")
                 nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=g)
             seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
-    return seq[0, len(ids):].tolist()
+            yield int(nxt)
+
+
+def text_pieces(tok: tokenizers.Tokenizer, new: Iterable[int]) -> Iterator[str]:
+    """The decoded text of `new`, piece by piece as the ids arrive. A piece is held back while it
+    ends in an incomplete character (a multi-byte letter split over ids), and each id is decoded
+    after a few of the ids before it, so that a tokenizer that joins words (spaces) is right."""
+    ids: list[int] = []
+    start, shown = 0, ""  # ids[start:] decode to `shown` plus what is not yet printed
+    for i in new:
+        ids.append(i)
+        text = tok.decode(ids[start:])
+        if text.endswith("\ufffd"):
+            continue
+        yield text[len(shown):]
+        start = max(start, len(ids) - DECODE_CONTEXT)
+        shown = tok.decode(ids[start:])
+    rest = tok.decode(ids[start:])[len(shown):]  # an incomplete character at the very end
+    if rest:
+        yield rest
 
 
 def sample(source: Path, prompt: str, tokens: int, temperature: float, top_k: int, seed: int,
-           samples: int) -> list[str]:
+           samples: int, out: TextIO) -> tuple[int, float]:
+    """Write `samples` texts to `out` as they are generated (separated by ---); returns the
+    tokens generated and the seconds they took."""
     cfg, model = load(source)
     tok = tokenizers.from_meta(Path(cfg.data.dir)) if cfg.data.name == "tokens" else None
     ids = prompt_ids(cfg, tok, prompt)
-    out = []
+    check_tokens(tokens, len(ids), cfg.model.block_size)
+    started = time.perf_counter()
     for i in range(samples):
+        if i:
+            out.write("\n---\n")
+        out.write(prompt if tok is not None else " ".join(map(str, ids)))
         new = generate(model, ids, tokens, cfg.model.block_size, temperature, top_k, seed + i)
-        out.append(prompt + tok.decode(new) if tok is not None else " ".join(map(str, ids + new)))
-    return out
+        for piece in text_pieces(tok, new) if tok is not None else (f" {t}" for t in new):
+            out.write(piece)
+            out.flush()
+    out.write("\n")
+    out.flush()
+    return samples * tokens, time.perf_counter() - started

@@ -70,7 +70,8 @@ def summarize(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> dic
         "median_step_time_s": stats.get("median"),
         "step_time_s": stats,
         "median_data_time_s": time_stats(run.data_times[warm:] or run.data_times).get("median"),
-        "samples_per_s": len(timed) * gb / sum(timed) if timed else None,
+        # the median step, as the step time, TFLOP/s and MFU: one statistic for every speed
+        "samples_per_s": gb / stats["median"] if stats.get("median", 0) > 0 else None,
         "final_train_loss": run.last_loss,
         "val_loss": evals.get("val_loss"),
         "val_acc": evals.get("val_acc"),
@@ -86,14 +87,16 @@ def summarize(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> dic
     }
     if spec.kind == "tokens" and summary["samples_per_s"]:
         summary["tokens_per_s"] = summary["samples_per_s"] * spec.seq_len
+    timing = timing_record(run.load, ctx.threads, ctx.gather_floats, stats, len(timed))
     if ctx.is_main:  # the same on every rank; only rank 0's summary is written
         summary.update(utilization(cfg, spec, ctx.device, summary["device_name"], ctx.threads,
-                                   ctx.world_size, stats.get("median")))
+                                   ctx.world_size, stats.get("median"), run.load.cpu_tflops,
+                                   timing["unreliable"]))
     summary.update(tr.engine.measurements())
     summary["steps_per_epoch"] = run.steps_per_epoch
     summary["epoch_time_s"], summary["epoch_time_measured"] = run.epoch_time(stats.get("median"))
     summary["skipped_steps"] = tr.stepper.skipped
-    summary["timing"] = timing_record(run.load, ctx.threads, ctx.gather_floats, stats, len(timed))
+    summary["timing"] = timing
     if run.usage is not None:
         summary["sample_usage"] = run.usage.summary(tr.strategy)
     if run.resumed_from is not None:

@@ -4,6 +4,7 @@ commands, registered by dtlab/cli.py."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from dtlab.cli_args import input_dir, integer, number, output_dir
@@ -54,7 +55,8 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default="\n", metavar="TEXT",
                    help="text to continue (token ids for a run on synthetic tokens)")
     p.add_argument("--tokens", type=integer(1, "--tokens 200"), default=200, metavar="N",
-                   help="tokens to generate (default 200)")
+                   help="tokens to generate, at most 10 x the model's context (block_size); "
+                   "past its context each token is drawn from the last block_size (default 200)")
     p.add_argument("--temperature", type=number(0, "--temperature 0.8"), default=0.8,
                    metavar="T", help="softmax temperature; 0 = always the most likely token")
     p.add_argument("--top-k", type=integer(0, "--top-k 50"), default=50, metavar="K",
@@ -70,7 +72,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     source = input_dir("RUN_OR_CHECKPOINT", args.source,
                        "pass a run directory or RUN_DIR/checkpoints/step_NNNNNN")
-    texts = sample(Path(source), args.prompt, args.tokens, args.temperature, args.top_k,
-                   args.seed, args.samples)
-    print("\n---\n".join(texts))
+    tokens, seconds = sample(Path(source), args.prompt, args.tokens, args.temperature,
+                             args.top_k, args.seed, args.samples, sys.stdout)
+    print(f"dtlab: {tokens} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} "
+          "tokens/s)", file=sys.stderr)
     return 0

@@ -280,7 +280,7 @@ class RunConfig(Section):
     # `sbatch --signal=USR1@90`: docs/reliability.md#signals
     checkpoint_signal: Literal["USR1", "USR2"] | None = None
     # a rank's peak TFLOP/s for MFU, when the device is not in dtlab/flops.py's table
-    peak_tflops: PositiveFloat | None = None
+    peak_tflops: float | None = None
     tensorboard: bool = False
     track_samples: bool = False  # count how often each training sample was used (summary.json)
     # numerics (dtlab/numerics.py): the same bits on every run of a command (GPU), TF32 matmuls
@@ -289,6 +289,16 @@ class RunConfig(Section):
     deterministic: bool = False
     tf32: bool = False
     cudnn_benchmark: bool | Literal["auto"] = "auto"
+
+    @field_validator("peak_tflops")
+    @classmethod
+    def _plausible_peak(cls, v: float | None) -> float | None:
+        # a slow CPU core to beyond any accelerator's low-precision peak: outside, MFU is noise
+        if v is not None and not 1e-3 <= v <= 1e5:
+            raise ValueError(f"run.peak_tflops={v:g} is no device's peak TFLOP/s per rank (0.001 "
+                             "to 100000); fix: the datasheet's dense TFLOP/s for the run's "
+                             "precision, e.g. run.peak_tflops=989 (H100, bf16), or leave it unset")
+        return v
 
     @property
     def run_dir(self) -> Path:

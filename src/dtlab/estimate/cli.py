@@ -48,6 +48,11 @@ def validate(args: argparse.Namespace) -> None:
     if getattr(args, "strategies", None) is not None and not args.strategies.replace(",", "").strip():
         raise DtlabError(f"--strategies '{args.strategies}' names no strategy; fix: e.g. "
                          f"--strategies {DEFAULT_STRATEGIES}")
+    for token in (getattr(args, "strategies", None) or "").split(","):  # @DPxMP: its own ranks
+        wrong = token.strip() and registry.mesh_mismatch(token.strip(), args.world_size,
+                                                          "--world-size")
+        if wrong:
+            raise DtlabError(wrong)
     if args.comm_results and args.bandwidth:
         raise DtlabError("--comm-results and --bandwidth both set a link speed; fix: give one")
 

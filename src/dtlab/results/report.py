@@ -23,7 +23,7 @@ figure { display: inline-block; margin: 0.5rem; } img { width: 32rem; border: 1p
 """
 RUN_COLUMNS = [
     ("series", "series", None), ("world_size", "ranks", "{:g}"), ("status", "status", None),
-    ("samples_per_s", "samples/s", "{:,.1f}"), ("median_step_time_s", "step (ms)", "ms"),
+    ("samples_per_s", "samples/s", "{:,.1f}"), ("median_step_time_s", "median step (ms)", "ms"),
     ("epoch_time_s", "epoch (s)", "{:.2f}"), ("peak_memory_bytes", "peak mem/rank (MiB)", "mib"),
     ("state_bytes", "state/rank (MiB)", "mib"), ("final_train_loss", "final loss", "{:.4f}"),
     ("val_loss", "val loss", "{:.4f}"), ("val_acc", "val acc", "{:.3f}"), ("reason", "reason", None),

@@ -91,15 +91,36 @@ def parse(text: str) -> list[str]:
     return overrides
 
 
-def ranks(text: str, default: int) -> int:
-    """Ranks a spec runs on: 1 for a one-process strategy, the mesh's size when it has one, else
-    `default`."""
+def mesh(text: str) -> tuple[int, int] | None:
+    """The (data-parallel, model-parallel) ranks a spec's shape asks for; None without one."""
     shape = text.partition("@")[2]
+    return parse_shape(text, shape) if shape else None
+
+
+def mesh_mismatch(text: str, n: int, flag: str) -> str | None:
+    """The one line refusing a spec whose mesh is not `n` ranks (`flag` gave n), else None."""
+    shape = mesh(text)
+    if shape is None or shape[0] * shape[1] == n:
+        return None
+    dp, mp = shape
+    other = f"{text.partition('@')[0]}@{n // mp}x{mp} for {n} ranks, or " if n % mp == 0 else ""
+    return (f"--strategies {text} runs on {dp}x{mp} = {dp * mp} ranks, and {flag} is {n}; fix: "
+            f"{other}{flag} {dp * mp}")
+
+
+def fixed_ranks(text: str) -> int | None:
+    """Ranks a spec runs on whatever --nproc-per-node says: 1 for a one-process strategy, the
+    mesh's size when it has one; None when it runs on --nproc-per-node."""
+    shape = mesh(text)
     if shape:
-        dp, mp = parse_shape(text, shape)
-        return dp * mp
+        return shape[0] * shape[1]
     spec = SPECS.get(text.partition(":")[0])
-    return 1 if spec is not None and spec.one_process else default
+    return 1 if spec is not None and spec.one_process else None
+
+
+def ranks(text: str, default: int) -> int:
+    """Ranks a spec runs on: `fixed_ranks`, else `default`."""
+    return fixed_ranks(text) or default
 
 
 def label(summary: dict[str, Any]) -> str:
