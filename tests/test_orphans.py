@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import CONFIGS
 
 from dtlab.launcher_guard import PID_VAR, START_VAR, launcher_env, start_time
 
@@ -49,13 +50,12 @@ def alive(pids: set[int]) -> set[int]:
     return {p for p in pids if start_time(p) is not None}  # None: gone, or a zombie
 
 
-def progress_at_least(path: Path, step: int) -> Callable[[], bool]:
-    def ready() -> bool:
-        try:
-            return int(path.read_text().split()[0]) >= step
-        except (OSError, ValueError, IndexError):
-            return False
-    return ready
+def step(progress: Path) -> int:
+    """The last step a run completed, from its progress file (0 before the first)."""
+    try:
+        return int(progress.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def measured(printed: str) -> list[str]:
@@ -103,25 +103,43 @@ def listing(root: Path) -> dict[str, tuple[int, int]]:
             for p in root.rglob("*") if p.is_file()}
 
 
-@pytest.mark.parametrize("command", ["train", "compare"])
+SWEEP = """
+base: {base}
+overrides: {{strategy.name: ddp, train.max_steps: 100000, train.checkpoint_every: 2}}
+matrix: {{nproc_per_node: [2]}}
+timeout_s: 240
+"""
+# What runs below each command: train: torch elastic's 2 workers; compare (strategy single): its
+# `dtlab train`, which trains in its own process; sweep: its `dtlab train` and that one's 2 workers.
+KILLED = {"train": 2, "compare": 1, "sweep": 3}
+
+
+@pytest.mark.parametrize("command", list(KILLED))
 def test_sigkill_of_the_launcher_kills_every_rank_and_nothing_more_is_written(
         tmp_path: Path, command: str) -> None:
-    """SIGKILL of a 2-rank `dtlab train`'s (or `dtlab compare`'s) process group: every rank below it ends within seconds and writes nothing after; no checkpoint newer than the kill."""
-    run = tmp_path / "run" if command == "train" else tmp_path / "c" / "ddp"
-    args = (["train", "--nproc-per-node", "2", f"run.dir={run}"] if command == "train" else
-            ["compare", "--strategies", "ddp", "--nproc-per-node", "2", "--out", str(run.parent)])
-    proc = start([*args, "strategy.name=ddp", *LONG, "train.checkpoint_every=2"], tmp_path)
-    ready = progress_at_least(run / "progress", 3)
-    # train: torch elastic's 2 workers; compare: its `dtlab train` and that one's 2 workers
-    below = kill_when(proc, ready, workers=2 if command == "train" else 3)
-    step_at_kill = int((run / "progress").read_text().split()[0])
+    """SIGKILL of `dtlab train` on 2 ranks, `dtlab compare` or `dtlab sweep` (its process group): every process below it ends within seconds and writes nothing after; no checkpoint newer than the step in flight at the kill."""
+    (tmp_path / "spec.yaml").write_text(SWEEP.format(base=CONFIGS / "quick.yaml"))
+    args = {"train": ["train", "--nproc-per-node", "2", "strategy.name=ddp", f"run.dir={tmp_path}/r"],
+            "compare": ["compare", "--strategies", "single", "--out", str(tmp_path / "r")],
+            "sweep": ["sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "r")]}[command]
+    extra = [*LONG, "train.checkpoint_every=2"] if command != "sweep" else []
+    proc = start([*args, *extra], tmp_path)
+    seen: list[int] = []  # the last step read before the kill
+
+    def ready() -> bool:
+        steps = [step(p) for p in (tmp_path / "r").rglob("progress")]
+        seen.append(max(steps, default=0))
+        return seen[-1] >= 3
+
+    below = kill_when(proc, ready, workers=KILLED[command])
     assert_gone_at_once(below)
+    run = next((tmp_path / "r").rglob("progress")).parent
     before = listing(run)
     time.sleep(1.0)
     assert listing(run) == before, "files of the run changed after its ranks were gone"
     saved = [int(p.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*")]
-    assert max(saved, default=0) <= step_at_kill + 1  # at most the step in flight at the kill
-    assert int((run / "progress").read_text().split()[0]) <= step_at_kill + 1
+    assert max(saved, default=0) <= seen[-1] + 1  # at most the step in flight at the kill
+    assert step(run / "progress") <= seen[-1] + 1
 
 
 def test_sigkill_of_dtlab_comm_kills_its_ranks(tmp_path: Path) -> None:
