@@ -265,6 +265,20 @@ def validate(args: argparse.Namespace) -> None:
         raise DtlabError("--iters must be at least 1 and --warmup at least 0")
 
 
+def measure_and_write(args: argparse.Namespace, progress: Progress) -> list[dict[str, Any]]:
+    try:
+        with distributed(args.device, args.backend, args.timeout, need_group=True) as ctx:
+            rows = run_benchmark(args, ctx, progress)
+            if ctx.is_main:
+                progress.doing = "writing the results"
+                write_outputs(rows, args)
+        return rows
+    except RuntimeError:
+        if interrupt.requested():  # a peer stopped by the same signal ended a collective here
+            raise Interrupted(interrupt.requested() or 0) from None
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dtlab.comm.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -276,11 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     with interrupt.handling():
         try:
             validate(args)
-            with distributed(args.device, args.backend, args.timeout, need_group=True) as ctx:
-                rows = run_benchmark(args, ctx, progress)
-                if ctx.is_main:
-                    progress.doing = "writing the results"
-                    write_outputs(rows, args)
+            rows = measure_and_write(args, progress)
         except DtlabError as e:
             print(f"dtlab: error: {e}", file=sys.stderr)
             return 2
