@@ -23,6 +23,7 @@ from dtlab.cli_args import output_dir
 from dtlab.config import check_environment, check_world, load_config
 from dtlab.errors import ConfigError
 from dtlab.interrupt import INTERRUPT_CODES, Interrupted, forwarding, requested
+from dtlab.launcher_guard import launcher_env
 from dtlab.machine_load import mfu_line, warning
 from dtlab.strategies import registry
 from dtlab.strategies.registry import fixed_ranks, mesh_mismatch
@@ -132,9 +133,11 @@ def print_table(rows: list[dict[str, Any]], summaries: dict[str, dict[str, Any]]
 
 def run_train(cmd: list[str]) -> int:
     """One strategy's `dtlab train`, in a session of its own: a signal to compare is passed on to
-    its process group, the run stops (and says where), then compare stops with the same signal."""
+    its process group, the run stops (and says where), then compare stops with the same signal.
+    The run dies with compare, however compare ends (dtlab/launcher_guard.py)."""
     with forwarding():
-        code = subprocess.run(cmd, stdout=subprocess.DEVNULL, start_new_session=True).returncode
+        code = subprocess.run(cmd, stdout=subprocess.DEVNULL, start_new_session=True,
+                              env=launcher_env()).returncode
     if requested():  # the run said where it stopped, unless it had finished already
         raise Interrupted(requested() or 0, "; compare stopped before its table",
                           quiet=code in INTERRUPT_CODES)

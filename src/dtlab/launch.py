@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dtlab import interrupt
 from dtlab.distributed import cpus_available
 from dtlab.interrupt import STOP_SIGNALS
+from dtlab.launcher_guard import launching
 
 
 def launch(
@@ -59,7 +60,8 @@ def launch(
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        with _one_signal_stops_the_agent():
+        # launching(): the workers die with this process, however it ends (launcher_guard.py).
+        with _one_signal_stops_the_agent(), launching():
             elastic_run(args)
     except ChildFailedError as e:
         return report_failures({rank: f.exitcode for rank, f in e.failures.items()})

@@ -11,18 +11,22 @@ compared with its expected value and wrong elements are counted over all ranks.
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - a worker's signal handling starts before its imports (torch takes seconds)
+if __name__ == "__main__":
+    from dtlab.early_exit import exit_on_signals
+
+    exit_on_signals()
+
 import argparse
-import csv
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dtlab import interrupt
 from dtlab.comm.ops import (
     OPS,
     TYPE_NAMES,
@@ -32,8 +36,10 @@ from dtlab.comm.ops import (
     make_case,
     message_bytes,
 )
-from dtlab.distributed import DistContext, distributed, leave
+from dtlab.comm.output import Progress, stopped, write_outputs
+from dtlab.distributed import DistContext, detect_env, distributed, leave
 from dtlab.errors import DtlabError
+from dtlab.interrupt import Interrupted
 from dtlab.machine_load import LoadProbe, timing_record
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -143,9 +149,14 @@ def format_row(row: dict[str, Any]) -> str:
             f"{row['root']:6d}" + part(row.get("oop")) + part(row.get("ip")))
 
 
-def run_benchmark(args: argparse.Namespace, ctx: DistContext) -> list[dict[str, Any]]:
+def run_benchmark(args: argparse.Namespace, ctx: DistContext,
+                  progress: Progress | None = None) -> list[dict[str, Any]]:
+    """Every measurement, then the machine's load while measuring; `progress` holds the rows
+    measured so far, and what is being measured, for a stop by a signal."""
     probe = LoadProbe()
-    rows = measure_all(args, ctx)
+    progress = progress or Progress()
+    rows = measure_all(args, ctx, progress)
+    progress.doing = "the load record"
     timing = timing_record(probe, ctx.threads, ctx.gather_floats, {}, 0)
     rows.append({"op": "timing", **timing})  # the machine's load while measuring
     if timing["unreliable"] and ctx.is_main:
@@ -154,10 +165,11 @@ def run_benchmark(args: argparse.Namespace, ctx: DistContext) -> list[dict[str, 
     return rows
 
 
-def measure_all(args: argparse.Namespace, ctx: DistContext) -> list[dict[str, Any]]:
+def measure_all(args: argparse.Namespace, ctx: DistContext,
+                progress: Progress) -> list[dict[str, Any]]:
     dtype = DTYPES[args.dtype]
     ops = list(OPS) if args.op == "all" else [args.op]
-    rows: list[dict[str, Any]] = []
+    rows = progress.rows  # filled as measured: a signal keeps what was measured before it
     say = print if ctx.is_main else (lambda *a, **k: None)
     say(f"# dtlab comm: {ctx.world_size} ranks, backend {ctx.backend} on {ctx.device.type}, "
         f"{args.iters} iterations after {args.warmup} warm-up; time = slowest rank, median")
@@ -168,9 +180,12 @@ def measure_all(args: argparse.Namespace, ctx: DistContext) -> list[dict[str, An
         say(f"#\n# {op}\n{HEADER}")
         busbws = []
         for size in sizes(args.min_bytes, args.max_bytes, args.factor):
+            progress.doing = f"{op} of {size} B"
             try:
                 row = measure(op, size, dtype, args, ctx)
             except (RuntimeError, NotImplementedError) as e:
+                if interrupt.requested():  # a peer stopped by the same signal ended the collective
+                    raise Interrupted(interrupt.requested() or 0) from None
                 say(f"# {op}: unsupported by backend {ctx.backend}: {str(e).splitlines()[0][:200]}")
                 rows.append({"op": op, "unsupported": str(e).splitlines()[0][:200]})
                 break
@@ -180,6 +195,7 @@ def measure_all(args: argparse.Namespace, ctx: DistContext) -> list[dict[str, An
         if busbws:
             say(f"# Avg bus bandwidth    : {statistics.fmean(busbws):.4g}")
     if args.p2p and ctx.world_size > 1:
+        progress.doing = "the point-to-point matrix"
         matrix = p2p_matrix(ctx, args.p2p_bytes, args.iters)
         rows.append({"op": "p2p_matrix", **matrix})
         say("#\n# point-to-point: one-way latency (us, 8 B) / bandwidth (GB/s, "
@@ -221,28 +237,6 @@ def p2p_matrix(ctx: DistContext, nbytes: int, iters: int) -> dict[str, Any]:
     return {"latency_us": lat.tolist(), "bandwidth_gbps": bw.tolist(), "p2p_bytes": nbytes}
 
 
-def write_outputs(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
-    if args.csv:
-        Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-        flat = []
-        for row in rows:
-            if "size_bytes" not in row:
-                continue
-            out = {k: v for k, v in row.items() if not isinstance(v, dict)}
-            for name in ("oop", "ip"):
-                for k, v in (row.get(name) or {}).items():
-                    out[f"{name}_{k}"] = v
-            flat.append(out)
-        keys = list(dict.fromkeys(k for r in flat for k in r))
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(flat)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op", default="all_reduce", choices=[*OPS, "all"])
     p.add_argument("--min-bytes", type=parse_size, default=8)
@@ -271,21 +265,38 @@ def validate(args: argparse.Namespace) -> None:
         raise DtlabError("--iters must be at least 1 and --warmup at least 0")
 
 
+def measure_and_write(args: argparse.Namespace, progress: Progress) -> list[dict[str, Any]]:
+    try:
+        with distributed(args.device, args.backend, args.timeout, need_group=True) as ctx:
+            rows = run_benchmark(args, ctx, progress)
+            if ctx.is_main:
+                progress.doing = "writing the results"
+                write_outputs(rows, args)
+        return rows
+    except RuntimeError:
+        if interrupt.requested():  # a peer stopped by the same signal ended a collective here
+            raise Interrupted(interrupt.requested() or 0) from None
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dtlab.comm.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     args = p.parse_args(argv)
-    try:
-        validate(args)
-        with distributed(args.device, args.backend, args.timeout, need_group=True) as ctx:
-            rows = run_benchmark(args, ctx)
-            if ctx.is_main:
-                write_outputs(rows, args)
-            wrong = sum(v.get("wrong", 0) for r in rows for v in (r.get("oop"), r.get("ip")) if v)
-    except DtlabError as e:
-        print(f"dtlab: error: {e}", file=sys.stderr)
-        return 2
+    progress, is_main = Progress(), detect_env().rank == 0
+    # A signal stops every rank with one line from rank 0 and exit code 128 + its number; the
+    # rows measured so far are written (dtlab/comm/output.py).
+    with interrupt.handling():
+        try:
+            validate(args)
+            rows = measure_and_write(args, progress)
+        except DtlabError as e:
+            print(f"dtlab: error: {e}", file=sys.stderr)
+            return 2
+        except Interrupted as e:
+            return stopped(e, progress, args, is_main)
+    wrong = sum(v.get("wrong", 0) for r in rows for v in (r.get("oop"), r.get("ip")) if v)
     return 1 if wrong else 0
 
 

@@ -22,6 +22,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from dtlab.doctor import Check, fail, ok, skip
+from dtlab.launcher_guard import die_with_launcher, launcher_env
 
 MARK = "dtlab-smoke "
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -108,7 +109,7 @@ def spawn(backend: str, world: int,
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "dtlab.doctor.smoke", backend, str(rank), str(world),
                      str(store.port), str(timeout_s)], stdout=log, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, env=child_env(), text=True))
+                    stdin=subprocess.DEVNULL, env=launcher_env(child_env()), text=True))
             for p in procs:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -202,5 +203,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    die_with_launcher()  # a rank ends with the doctor, however the doctor ends
     code = main(sys.argv[1:])  # its report is printed and flushed
     os._exit(code)  # no interpreter teardown after a process group: see distributed.leave()
