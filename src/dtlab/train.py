@@ -245,7 +245,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
         raise
     finally:
         log.close()  # the progress bar too: the terminal is left clean
-        profiler.close(complete=False)  # a run stopped inside the window: its trace so far
+        profiler.close(complete=False, write=watch.intact())  # stopped inside the window: its trace so far
         snapshot.stop()
 
     try:
