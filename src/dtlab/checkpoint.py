@@ -231,12 +231,13 @@ def _set_rng_state(state: dict[str, str], device: torch.device) -> None:
 
 
 def save(run_dir: Path, step: int, tensors: dict[str, Any], manifest: dict[str, Any], ctx: Any,
-         keep: int, fault: Any = None) -> Path:
+         keep: int, fault: Any = None, watch: Any = None) -> Path:
     """Write a checkpoint for `step` on every rank, publish it atomically, keep the last `keep`.
 
     The ranks agree after each phase (prepare, write the shards, publish), so that a failure on
     any rank (a full disk, a read-only mount) stops every rank at the same point with one message,
-    and the half-written directory is removed; the previous checkpoint is never touched."""
+    and the half-written directory is removed; the previous checkpoint is never touched. `watch`
+    (run_owner.DirectoryWatch): a run directory deleted or replaced meanwhile gets nothing."""
     import torch.distributed.checkpoint as dcp  # here, not at start-up (DCP imports DTensor)
 
     from dtlab.save_failure import SaveFailure, attempt
@@ -244,9 +245,11 @@ def save(run_dir: Path, step: int, tensors: dict[str, Any], manifest: dict[str, 
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-{final.name}"
-    failure = SaveFailure(run_dir, step, tensors, ctx)
+    failure = SaveFailure(run_dir, step, tensors, ctx, watch)
 
     def prepare() -> None:
+        if watch is not None:
+            watch.require(step)
         root.mkdir(exist_ok=True)  # not its parents: a run directory gone is not made again
         for stale in root.glob(".tmp-*"):  # an earlier save that was interrupted
             shutil.rmtree(stale, ignore_errors=True)
@@ -275,6 +278,8 @@ def save(run_dir: Path, step: int, tensors: dict[str, Any], manifest: dict[str, 
             json.dump(body, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
+        if watch is not None:
+            watch.require(step)
         if final.exists():  # the same step saved again after a restart
             shutil.rmtree(final)
         os.replace(tmp, final)  # the publication: one atomic rename

@@ -264,10 +264,19 @@ class DirectoryWatch:
         self.lost = True
         if not ctx.is_main:
             raise PeerSawRunDirGone("rank 0 found the run directory gone")
-        raise RunDirGone(
-            f"run.dir '{self.path}' {what or 'was deleted or replaced'} during the run; it stopped "
-            f"after step {step} and wrote nothing more; fix: leave run.dir in place while a run "
-            "uses it (to start over, run.overwrite=true or another run.dir)")
+        raise RunDirGone(self.line(step, what))
+
+    def require(self, step: int) -> None:
+        """Rank 0, right before it writes into the run directory: RunDirGone if it is gone."""
+        what = self.problem()
+        if what:
+            self.lost = True
+            raise RunDirGone(self.line(step, what))
+
+    def line(self, step: int, what: str | None) -> str:
+        return (f"run.dir '{self.path}' {what or 'was deleted or replaced'} during the run; it "
+                f"stopped after step {step} and wrote nothing more; fix: leave run.dir in place "
+                "while a run uses it (to start over, run.overwrite=true or another run.dir)")
 
 
 def _ident(path: Path) -> tuple[int, int] | None:

@@ -68,7 +68,7 @@ def save(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> Path:
     }
     tensors = {"model": model_sd, "optim": optim_sd["state"]}
     return checkpoint.save(Path(cfg.run.dir), run.step, tensors, manifest, ctx,
-                           cfg.train.keep_checkpoints, tr.stepper.fault)
+                           cfg.train.keep_checkpoints, tr.stepper.fault, run.watch)
 
 
 def load(path: Path, cfg: Config, ctx: DistContext, tr: Training) -> dict[str, Any]:
