@@ -134,7 +134,7 @@ def test_a_checkpoint_without_a_run_record_resumes_with_a_warning(run: Path) -> 
 
 def test_resuming_a_checkpoint_into_a_directory_of_another_run_is_refused(
         earlier: Path, run: Path, tmp_path: Path) -> None:
-    """resume=PATH of one run into a run.dir holding another run's checkpoints: exit 2, one line, both untouched."""
+    """resume=PATH of one run into a run.dir holding another run: exit 2, one line, both untouched; with run.overwrite=true the other run is replaced by the resumed one."""
     other = Path(shutil.copytree(earlier, tmp_path / "other"))
     for step in (4, 6):  # another run: another id
         path = other / "checkpoints" / f"step_{step:06d}" / MANIFEST
@@ -142,10 +142,14 @@ def test_resuming_a_checkpoint_into_a_directory_of_another_run_is_refused(
     before = snapshot(run), snapshot(other)
     ckpt = other / "checkpoints" / "step_000006"
     assert errors(train(run, "train.max_steps=8", f"resume={ckpt}"), 2) == [
-        f"dtlab: error: run.dir '{run}' holds checkpoints of another run (step_000004), which "
-        f"resuming '{ckpt}' there would mix with it; fix: run.overwrite=true to delete them, or "
-        "set another run.dir"]
+        f"dtlab: error: run.dir '{run}' holds an earlier run (checkpoints up to step 6, "
+        f"metrics.jsonl, summary.json), which resuming '{ckpt}' there would mix with it; fix: "
+        "run.overwrite=true to delete it, or set another run.dir"]
     assert (snapshot(run), snapshot(other)) == before
+    errors(train(run, *CKPT, "train.max_steps=8", f"resume={ckpt}", "run.overwrite=true"), 0)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000008"]
+    assert manifest(run, 8)["run"]["id"] == "0123456789ab"  # the resumed run goes on here
+    assert logged_steps(run) == [7, 8] and snapshot(other) == before[1]
 
 
 def delete_when(run: Path, step: int, replace: bool = False) -> threading.Thread:

@@ -176,19 +176,24 @@ def check_start(cfg: Any) -> None:
                 "continue; fix: move the other run's checkpoints out, or resume=PATH to one")
         found = complete_checkpoints(run_dir, warn=False)
         target = found[-1][1] if found else None
-    else:
+    else:  # resume=PATH: into its own run directory, or one without another run's files
         target = Path(cfg.resume)
-        inside = checkpoint_root(run_dir).resolve() == target.resolve().parent
-        theirs = (_manifest(target) or {}) if target.is_dir() else {}
-        others = {i: n for i, n in known.items() if i != run_id_of(theirs)}
-        if not inside and others and not cfg.run.overwrite:
+        theirs = run_id_of((_manifest(target) or {}) if target.is_dir() else {})
+        found = earlier_outputs(run_dir)
+        if found and not cfg.run.overwrite and not inside(target, run_dir) and \
+                (theirs is None or theirs not in known):
             raise ConfigError(
-                f"run.dir '{run_dir}' holds checkpoints of another run ({', '.join(others.values())}), "
-                f"which resuming '{target}' there would mix with it; fix: run.overwrite=true to "
-                "delete them, or set another run.dir")
+                f"run.dir '{run_dir}' holds an earlier run ({', '.join(found)}), which resuming "
+                f"'{target}' there would mix with it; fix: run.overwrite=true to delete it, or set "
+                "another run.dir")
     manifest = _manifest(target) if target is not None else None
     if manifest is not None and isinstance(manifest.get("config"), dict):
         check_config(manifest, cfg.model_dump(mode="json"), target, run_dir)
+
+
+def inside(checkpoint: Path, run_dir: Path) -> bool:
+    """Whether `checkpoint` is one of run_dir's own."""
+    return checkpoint_root(run_dir).resolve() == Path(checkpoint).resolve().parent
 
 
 def check_config(manifest: dict[str, Any], config: dict[str, Any], path: Path,
@@ -202,11 +207,13 @@ def check_config(manifest: dict[str, Any], config: dict[str, Any], path: Path,
             f"resume with the config it was written with, or {start_over(run_dir)}")
 
 
-def begin(run: Any, ctx: Any, run_dir: Path, resumed_from: Path | None,
+def begin(run: Any, ctx: Any, cfg: Any, resumed_from: Path | None,
           watch: DirectoryWatch) -> None:
     """Set-up's last word on the run directory: the run's id (new when it starts over, the
-    checkpoint's when it resumes), an earlier run's outputs removed when this one starts over
-    (check_start allowed it), and the directory watched from here on."""
+    checkpoint's when it resumes), an earlier run's outputs removed when this one starts over or
+    resumes another directory's checkpoint with run.overwrite=true (check_start allowed it), and
+    the directory watched from here on."""
+    run_dir = cfg.run.run_dir
     if resumed_from is not None and not run.run_id and ctx.is_main:
         print(f"dtlab: warning: checkpoint {resumed_from} records no run id (written before dtlab "
               "recorded them); its config matches, so it is continued as this run",
@@ -214,7 +221,7 @@ def begin(run: Any, ctx: Any, run_dir: Path, resumed_from: Path | None,
     run.run_id = run.run_id or new_run_id()
     if ctx.is_main:
         try:
-            if resumed_from is None:
+            if resumed_from is None or (cfg.run.overwrite and not inside(resumed_from, run_dir)):
                 clear_outputs(run_dir)
             Path(run_dir).mkdir(parents=True, exist_ok=True)
         except OSError as e:

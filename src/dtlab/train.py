@@ -162,7 +162,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
         run.start, run.run_id = manifest["step"], run_owner.run_id_of(manifest) or ""
         run.step, run.resumed_from = run.start, path
         tr.stepper.step_number = run.start
-    run_owner.begin(run, ctx, run_dir, path, watch)
+    run_owner.begin(run, ctx, cfg, path, watch)
     profiler, snapshot = windows(cfg, run_dir, ctx, run.total_steps, run.start)
     log = MetricsLog(run_dir, ctx.is_main, run.total_steps, cfg.run.progress, cfg.run.tensorboard,
                      resume_step=run.start if path is not None else None)
