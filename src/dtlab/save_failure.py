@@ -15,6 +15,7 @@ from dtlab import files
 from dtlab.checkpoint import checkpoint_root, complete_checkpoints
 from dtlab.errors import PeerError, RunError
 from dtlab.run_owner import RunDirGone
+from dtlab.run_stop import resume_hint
 
 
 def attempt(fn: Any, rank: int = 0) -> BaseException | None:
@@ -128,4 +129,4 @@ def intact_note(run_dir: Path) -> str:
     found = complete_checkpoints(run_dir, warn=False)
     if not found:
         return "no checkpoint was written yet (train.checkpoint_every sets how often)"
-    return f"step {found[-1][0]} is intact (resume=auto continues from it)"
+    return f"step {found[-1][0]} is intact ({resume_hint()})"
