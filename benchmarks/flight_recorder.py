@@ -32,7 +32,7 @@ def step_time(run_dir: Path, strategy: str, steps: int, entries: int) -> float:
     cmd = [sys.executable, "-m", "dtlab", "train", "--nproc-per-node", "2",
            f"strategy.name={strategy}", f"train.max_steps={steps}", "train.eval_every=0",
            "run.timing_warmup_steps=10", f"run.flight_recorder={entries}",
-           f"run.dir={run_dir}", "run.progress=false", "resume=none"]
+           f"run.dir={run_dir}", "run.progress=false", "resume=none", "run.overwrite=true"]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads((run_dir / "summary.json").read_text())["median_step_time_s"]
 

@@ -105,7 +105,8 @@ def test_a_checkpoint_of_another_layout_or_strategy_is_refused(uninterrupted: di
     assert refusal(2, *TINY, stage(3), f"run.dir={auto}") == (  # resume=auto
         f"dtlab: error: [rank 0] checkpoint '{checkpoint(auto, MID)}' holds DeepSpeed partitions "
         "for ZeRO stage 2 (this run: 3), which load only into the layout that wrote them; fix: "
-        "resume with strategy.deepspeed.zero_stage=2, or start over with resume=none")
+        "resume with strategy.deepspeed.zero_stage=2, or start over with resume=none "
+        "run.overwrite=true (deleting the earlier run in run.dir), or in another run.dir")
     run = (f"run.dir={tmp_path / 'run'}", f"resume={ckpt}")
     assert refusal(1, *TINY, stage(2), *run) == (
         f"dtlab: error: checkpoint '{ckpt}' holds DeepSpeed partitions for 2 ranks (this run: 1), "

@@ -105,7 +105,8 @@ def test_resume_auto_skips_a_corrupt_latest_checkpoint(uninterrupted: Path, sess
     proc = run_fails(run)
     assert proc.returncode == 2 and error_lines(proc) == [
         f"dtlab: error: [rank 0] no checkpoint in '{run}/checkpoints' verifies: step_000040 "
-        f"({SHA}); step_000030 ({SHA}); fix: restore a good copy, or start over with resume=none"]
+        f"({SHA}); step_000030 ({SHA}); fix: restore a good copy, or start over with resume=none "
+        "run.overwrite=true (deleting the earlier run in run.dir), or in another run.dir"]
 
 
 def test_a_corrupt_checkpoint_named_by_resume_is_one_error(uninterrupted: Path, tmp_path: Path) -> None:
@@ -115,7 +116,7 @@ def test_a_corrupt_checkpoint_named_by_resume_is_one_error(uninterrupted: Path, 
     proc = run_fails(tmp_path / "run", f"resume={ckpt}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert error_lines(proc) == [f"dtlab: error: [rank 0] checkpoint '{ckpt}': {SHA}; fix: set resume to "
-                                 "another checkpoint (RUN/checkpoints/step_N), or set resume=none to start over"]
+                                 "another checkpoint (RUN/checkpoints/step_N), or start over with resume=none"]
 
 
 def test_kill_9_during_a_save_keeps_the_previous_checkpoint(uninterrupted: Path, session_dir: Path) -> None:

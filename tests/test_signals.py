@@ -161,7 +161,7 @@ def test_signal_to_a_sweep_stops_its_run_and_records_it(tmp_path: Path, sig: sig
                                 "o/runs/*/progress", sig, tmp_path)
     where = assert_stopped(proc, groups, sig, processes=2 if nproc == 1 else 4)
     assert f"run 'nproc_per_node={nproc} train.lr=0.05' stopped at step" in proc.stderr
-    assert "again continues the sweep" in proc.stderr
+    assert f"`dtlab sweep {spec} --out {tmp_path / 'o'}` continues the sweep" in proc.stderr
     assert where[2] == ("saved" if sig == signal.SIGTERM else None), proc.stderr
     records = [json.loads(p.read_text()) for p in (tmp_path / "o").glob("runs/*/run.json")]
     statuses = sorted((r["combo"]["train.lr"], r["status"]) for r in records)

@@ -4,8 +4,9 @@ Layout: RUN_DIR/checkpoints/step_000120/ holds torch.distributed.checkpoint (DCP
 model and optimizer tensors (each rank writes its own shards; get_state_dict/set_state_dict make
 single, DDP, FSDP2 and FSDP1 read and write the same format, so a checkpoint loads on any world
 size and strategy), one `rng_rank<r>.json` per rank, and `dtlab-checkpoint.json`, the manifest:
-step, config, data-order parameters, scheduler and scaler state, optimizer hyper-parameters, and
-the size and sha256 of every file.
+step, config, the run that wrote it (id and config fingerprint: run_owner.py), data-order
+parameters, scheduler and scaler state, optimizer hyper-parameters, and the size and sha256 of
+every file.
 
 A save writes into `.tmp-step_000120/`, writes the manifest last, and publishes the directory
 with one rename: a directory under the final name is complete; a crash leaves only a `.tmp-`
@@ -184,39 +185,32 @@ def newest_verified(run_dir: Path, warn: bool = True) -> Path | None:
                   f"{path.name}, the newest that verifies", file=sys.stderr, flush=True)
         return path
     if skipped:
+        from dtlab.run_owner import start_over
+
         raise CheckpointError(
             f"no checkpoint in '{checkpoint_root(run_dir)}' verifies: {'; '.join(skipped)}; fix: "
-            "restore a good copy, or start over with resume=none")
+            f"restore a good copy, or {start_over(run_dir)}")
     return None
+
+
+def own_checkpoints(run_dir: Path, run: dict[str, Any] | None) -> list[Path]:
+    """The complete checkpoints of the run `run` (its manifest entry), oldest first, with those
+    that record no run (written before runs were recorded): what keep_checkpoints prunes. Another
+    run's are never pruned (run_owner refuses to start a run beside them)."""
+    mine = (run or {}).get("id")
+    own = []
+    for _, path in complete_checkpoints(run_dir, warn=False):
+        try:
+            theirs = (json.loads((path / MANIFEST).read_text()).get("run") or {}).get("id")
+        except (OSError, ValueError, AttributeError):
+            continue  # unreadable: not provably this run's, so not deleted
+        if theirs in (None, mine):
+            own.append(path)
+    return own
 
 
 def _reason(error: CheckpointError, path: Path) -> str:
     return str(error).replace(f"checkpoint '{path}': ", "").replace(f"checkpoint '{path}' ", "")
-
-
-def check_compatible(manifest: dict[str, Any], config: dict[str, Any], path: Path) -> None:
-    """Refuse what would not continue the same training: another model, optimizer or data order."""
-    saved = manifest["config"]
-    checks = [("model", None), ("train", "optimizer"), ("train", "global_batch_size"),
-              ("train", "grad_accum_steps"), ("seed", None), ("data", "name"), ("data", "synthetic"),
-              ("data", "train_limit")]
-    for section, key in checks:
-        a, b = (c.get(section) if key is None else c.get(section, {}).get(key)
-                for c in (saved, config))
-        if a != b:
-            what = section if key is None else f"{section}.{key}"
-            detail = _first_difference(a, b, what)
-            raise CheckpointError(
-                f"checkpoint '{path}' does not match this run: {detail}; fix: resume with the "
-                "config it was written with, or start over with resume=none")
-
-
-def _first_difference(a: Any, b: Any, key: str) -> str:
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b)):
-            if a.get(k) != b.get(k):
-                return _first_difference(a.get(k), b.get(k), f"{key}.{k}")
-    return f"{key} is {a!r} in the checkpoint, {b!r} here"
 
 
 # ---------------------------------------------------------------------------------- save/load
@@ -237,12 +231,13 @@ def _set_rng_state(state: dict[str, str], device: torch.device) -> None:
 
 
 def save(run_dir: Path, step: int, tensors: dict[str, Any], manifest: dict[str, Any], ctx: Any,
-         keep: int, fault: Any = None) -> Path:
+         keep: int, fault: Any = None, watch: Any = None) -> Path:
     """Write a checkpoint for `step` on every rank, publish it atomically, keep the last `keep`.
 
     The ranks agree after each phase (prepare, write the shards, publish), so that a failure on
     any rank (a full disk, a read-only mount) stops every rank at the same point with one message,
-    and the half-written directory is removed; the previous checkpoint is never touched."""
+    and the half-written directory is removed; the previous checkpoint is never touched. `watch`
+    (run_owner.DirectoryWatch): a run directory deleted or replaced meanwhile gets nothing."""
     import torch.distributed.checkpoint as dcp  # here, not at start-up (DCP imports DTensor)
 
     from dtlab.save_failure import SaveFailure, attempt
@@ -250,10 +245,12 @@ def save(run_dir: Path, step: int, tensors: dict[str, Any], manifest: dict[str, 
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-{final.name}"
-    failure = SaveFailure(run_dir, step, tensors, ctx)
+    failure = SaveFailure(run_dir, step, tensors, ctx, watch)
 
     def prepare() -> None:
-        root.mkdir(parents=True, exist_ok=True)
+        if watch is not None:
+            watch.require(step)
+        root.mkdir(exist_ok=True)  # not its parents: a run directory gone is not made again
         for stale in root.glob(".tmp-*"):  # an earlier save that was interrupted
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
@@ -281,10 +278,12 @@ def save(run_dir: Path, step: int, tensors: dict[str, Any], manifest: dict[str, 
             json.dump(body, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
+        if watch is not None:
+            watch.require(step)
         if final.exists():  # the same step saved again after a restart
             shutil.rmtree(final)
         os.replace(tmp, final)  # the publication: one atomic rename
-        for _, old in complete_checkpoints(run_dir, warn=False)[:-keep]:
+        for old in own_checkpoints(run_dir, body.get("run"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
 
     failure.agree(attempt(publish) if ctx.is_main else None, tmp)
@@ -320,10 +319,10 @@ def dcp_load(tensors: dict[str, Any], path: Path) -> None:
         raise CheckpointError(f"checkpoint '{path}' cannot be loaded into this model: {first}") from None
 
 
-def load(path: Path, tensors: dict[str, Any], config: dict[str, Any], ctx: Any) -> dict[str, Any]:
-    """Verify, check compatibility, then fill `tensors` in place; returns the manifest."""
+def load(path: Path, tensors: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """Verify, then fill `tensors` in place; returns the manifest. (Whether it belongs to this
+    run, its config, is checked before: run_owner.check_config.)"""
     manifest = verify(path)
-    check_compatible(manifest, config, path)
     dcp_load(tensors, path)
     rng = Path(path) / f"rng_rank{ctx.rank}.json"
     if rng.is_file() and manifest["world_size"] == ctx.world_size:

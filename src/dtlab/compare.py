@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from dtlab.strategies.registry import ranks as spec_ranks
 
 MiB = 1024 * 1024
 DEFAULT_NPROC = 2  # ranks of a multi-process strategy without a mesh shape
+RESUME_HINT_ENV = "DTLAB_RESUME_HINT"  # run_stop.py's (not imported: it imports torch)
 
 
 def run_label(spec: str) -> str:
@@ -213,6 +215,19 @@ def verify_numerics(args: argparse.Namespace) -> list[str]:
 
 
 def compare(args: argparse.Namespace) -> int:
+    # A stopped run's line says what running compare again does: it never resumes (run_stop.py).
+    before = os.environ.get(RESUME_HINT_ENV)
+    os.environ[RESUME_HINT_ENV] = "compare does not resume: run again, it trains every strategy anew"
+    try:
+        return _compare(args)
+    finally:
+        if before is None:
+            os.environ.pop(RESUME_HINT_ENV, None)
+        else:
+            os.environ[RESUME_HINT_ENV] = before
+
+
+def _compare(args: argparse.Namespace) -> int:
     plans = check_arguments(args)
     ref = registry.REFERENCE
     out = Path(args.out)
@@ -225,7 +240,7 @@ def compare(args: argparse.Namespace) -> int:
         cmd = [sys.executable, "-m", "dtlab", "train", "--nproc-per-node", str(nproc)]
         cmd += ["--config", args.config] if args.config else []
         cmd += ["resume=none", *numerics, *args.overrides, *spec_overrides, *extra,
-                f"run.dir={out / label}"]
+                "run.overwrite=true", f"run.dir={out / label}"]
         print(f"== {spec} on {nproc} rank(s)", flush=True)
         clear_run(out / label)
         code = run_train(cmd)

@@ -58,7 +58,7 @@ def dump(run_dir: Path, rank: int, world_size: int, reason: str) -> Path | None:
         record["dtlab"] = {"rank": rank, "world_size": world_size, "reason": reason,
                            "time": datetime.datetime.now(datetime.timezone.utc).isoformat()}
         path = run_dir / DIR / f"rank{rank}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(exist_ok=True)  # not run.dir: one deleted mid-run is not made again
         files.replace_whole(path, lambda tmp: tmp.write_text(json.dumps(record)))
         return path
     except Exception:  # a dump must never hide the failure it records  # noqa: BLE001

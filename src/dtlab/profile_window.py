@@ -158,14 +158,17 @@ class ProfileWindow:
         with quiet_stderr():  # kineto prints "profiler_start" on every rank
             self.prof.start()
 
-    def close(self, complete: bool = True) -> None:
+    def close(self, complete: bool = True, write: bool = True) -> None:
         """Stop and write the trace; `complete`: all ranks are here (the window's last step), so
-        the table can be shared; otherwise (the run stopped inside the window) only the trace."""
+        the table can be shared; otherwise (the run stopped inside the window) only the trace.
+        `write=False`: the run directory is gone, and nothing recreates it."""
         if self.prof is None:
             return
         prof, self.prof = self.prof, None
         with quiet_stderr():
             prof.stop()
+        if not write:
+            return
         if complete:  # after a failure the device may be what failed: write what was recorded
             self.ctx.synchronize()
         self.dir.mkdir(parents=True, exist_ok=True)

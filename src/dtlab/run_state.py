@@ -18,6 +18,7 @@ from torch import nn
 
 from dtlab.data import DataSpec, SampleUsage
 from dtlab.machine_load import LoadProbe
+from dtlab.run_owner import DirectoryWatch
 from dtlab.step import Stepper
 from dtlab.strategies.base import StepEngine, Strategy
 
@@ -54,6 +55,8 @@ class RunState:
     started: float = field(default_factory=time.perf_counter)
     load: LoadProbe = field(default_factory=LoadProbe)  # the machine's state when it began
     peaks: dict[str, int] = field(default_factory=dict)  # the set-up's and warm-up's peak memory
+    run_id: str = ""  # which run this is: new when it starts over, kept when it resumes (run_owner.py)
+    watch: DirectoryWatch | None = None  # the run directory, to stop when it disappears
 
     def begin_step(self, epoch: int) -> int:
         self.step, self.epoch = self.step + 1, epoch

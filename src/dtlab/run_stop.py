@@ -4,6 +4,7 @@ and `run.json` in the run directory (what collect, the report and sweeps read)."
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -11,10 +12,19 @@ from dtlab import checkpoint, interrupt, state
 from dtlab.config import Config
 from dtlab.distributed import DistContext
 from dtlab.interrupt import Interrupted
+from dtlab.run_owner import GONE
 from dtlab.run_state import RunState, Training
 from dtlab.sweeps.record import now, read_record, update_record
 
 STOP_DEADLINE_S = 3.0  # the least time a stop waits for the step boundary
+RESUME_HINT = "resume=auto continues from it"
+# A parent that re-runs `dtlab train` its own way (compare starts over) says what a rerun does.
+RESUME_HINT_ENV = "DTLAB_RESUME_HINT"
+
+
+def resume_hint(hint: str = RESUME_HINT) -> str:
+    """What continues a stopped run, unless the parent that started it says otherwise."""
+    return os.environ.get(RESUME_HINT_ENV) or hint
 
 
 def checkpoint_signals(cfg: Config) -> set[int]:
@@ -26,8 +36,12 @@ def checkpoint_signals(cfg: Config) -> set[int]:
 def stop_at_boundary(cfg: Config, ctx: DistContext, tr: Training, run: RunState, run_dir: Path,
                      saved: bool) -> None:
     """At a step boundary: when any rank was asked to stop, all stop here, after a checkpoint
-    when the signal asks for one and checkpoints are on."""
-    signum = ctx.agree_stop(interrupt.requested() or 0)
+    when the signal asks for one and checkpoints are on; when the run directory is gone, all
+    stop with an error (the same agreement: one all-reduce)."""
+    gone = run.watch.problem() if run.watch is not None else None
+    signum = ctx.agree_stop(max(interrupt.requested() or 0, GONE if gone else 0))
+    if signum >= GONE and run.watch is not None:
+        run.watch.stop(ctx, run.step, gone)
     if not signum:
         return
     interrupt.stop_deadline()
@@ -35,8 +49,7 @@ def stop_at_boundary(cfg: Config, ctx: DistContext, tr: Training, run: RunState,
         state.save(cfg, ctx, tr, run)
         saved = True
     if saved:
-        where = (f" at step {run.step}; saved checkpoint step {run.step}; resume=auto continues "
-                 "from it")
+        where = f" at step {run.step}; saved checkpoint step {run.step}; {resume_hint()}"
     else:
         where = f" at step {run.step}{last_checkpoint(cfg, run_dir)}"
     raise Interrupted(signum, where)
@@ -45,10 +58,16 @@ def stop_at_boundary(cfg: Config, ctx: DistContext, tr: Training, run: RunState,
 def last_checkpoint(cfg: Config, run_dir: Path) -> str:
     found = checkpoint.complete_checkpoints(run_dir, warn=False)
     if found:
-        return f"; last checkpoint step {found[-1][0]}; resume=auto continues from it"
+        return f"; last checkpoint step {found[-1][0]}; {resume_hint()}"
+    if cfg.resume not in ("auto", "none"):
+        rerun = f"a rerun resumes '{cfg.resume}' again"
+    elif cfg.resume == "auto" or cfg.run.overwrite:
+        rerun = "a rerun starts over"
+    else:  # resume=none is refused beside this run's metrics
+        rerun = "a rerun with run.overwrite=true starts over"
     if cfg.train.checkpoint_every:
-        return "; no checkpoint yet, a rerun starts over"
-    return "; no checkpoint (train.checkpoint_every=0), a rerun starts over"
+        return f"; no checkpoint yet, {rerun}"
+    return f"; no checkpoint (train.checkpoint_every=0), {rerun}"
 
 
 def record_stop(run_dir: Path, stopped: Interrupted | None) -> None:

@@ -14,6 +14,8 @@ import torch
 from dtlab import files
 from dtlab.checkpoint import checkpoint_root, complete_checkpoints
 from dtlab.errors import PeerError, RunError
+from dtlab.run_owner import RunDirGone
+from dtlab.run_stop import resume_hint
 
 
 def attempt(fn: Any, rank: int = 0) -> BaseException | None:
@@ -36,8 +38,9 @@ def attempt(fn: Any, rank: int = 0) -> BaseException | None:
 class SaveFailure:
     """Turns a failed save into one line, printed by rank 0 (every rank stops)."""
 
-    def __init__(self, run_dir: Path, step: int, tensors: dict[str, Any], ctx: Any) -> None:
-        self.run_dir, self.step, self.ctx = Path(run_dir), step, ctx
+    def __init__(self, run_dir: Path, step: int, tensors: dict[str, Any], ctx: Any,
+                 watch: Any = None) -> None:
+        self.run_dir, self.step, self.ctx, self.watch = Path(run_dir), step, ctx, watch
         self.tensors = tensors
         self.free_before = files.free_bytes(checkpoint_root(run_dir))
 
@@ -58,6 +61,12 @@ class SaveFailure:
         raise peer
 
     def explain(self, error: BaseException) -> str:
+        if isinstance(error, RunDirGone):  # it says all
+            return str(error)
+        gone = self.watch.problem() if self.watch is not None else None
+        if gone:  # deleted or replaced while the checkpoint was written
+            self.watch.lost = True
+            return self.watch.line(self.step, gone)
         root = checkpoint_root(self.run_dir)
         part = f"rank {self.ctx.rank}'s part of " if self.ctx.world_size > 1 else ""
         doing = f"writing {part}checkpoint step {self.step} to '{root}'"
@@ -120,4 +129,4 @@ def intact_note(run_dir: Path) -> str:
     found = complete_checkpoints(run_dir, warn=False)
     if not found:
         return "no checkpoint was written yet (train.checkpoint_every sets how often)"
-    return f"step {found[-1][0]} is intact (resume=auto continues from it)"
+    return f"step {found[-1][0]} is intact ({resume_hint()})"

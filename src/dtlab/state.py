@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dtlab import checkpoint
+from dtlab import checkpoint, run_owner
 from dtlab.config import Config
 from dtlab.distributed import DistContext
 from dtlab.errors import PeerError
@@ -24,7 +24,7 @@ def resume_path(cfg: Config, run_dir: Path, ctx: DistContext) -> Path | None:
                 else Path(cfg.resume))
         if path is not None:
             manifest = checkpoint.verify(path)
-            checkpoint.check_compatible(manifest, cfg.model_dump(mode="json"), path)
+            run_owner.check_config(manifest, cfg.model_dump(mode="json"), path, run_dir)
             choice = float(manifest["step"])
     except checkpoint.CheckpointError as e:
         choice, error = -2.0, e
@@ -36,8 +36,8 @@ def resume_path(cfg: Config, run_dir: Path, ctx: DistContext) -> Path | None:
                 raise error  # type: ignore[misc]
             fix = ("set resume to another checkpoint (RUN/checkpoints/step_N)" if cfg.resume != "auto"
                    else "restore a complete checkpoint in run.dir")
-            raise checkpoint.CheckpointError(f"{error}; fix: {fix}, or set resume=none to start "
-                                             "over") from None
+            raise checkpoint.CheckpointError(f"{error}; fix: {fix}, or "
+                                             f"{run_owner.start_over(run_dir)}") from None
         raise PeerError(f"rank {first} refused the checkpoint to resume from")
     if len(set(choices)) > 1:
         if ctx.is_main:
@@ -54,25 +54,28 @@ def resume_path(cfg: Config, run_dir: Path, ctx: DistContext) -> Path | None:
 
 
 def save(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> Path:
+    """A checkpoint of this step, recording this run (never into a run directory that is gone)."""
+    run_owner.check_directory(ctx, run.watch, run.step)
+    config = cfg.model_dump(mode="json")
     model_sd, optim_sd = tr.strategy.state_dict(tr.model, tr.optimizer, full=False)  # local shards
     scaler = tr.engine.scaler
     manifest = {
         "epoch": run.epoch, "strategy": cfg.strategy.name, "n_params": tr.n_params,
-        "config": cfg.model_dump(mode="json"),
+        "config": config, "run": run_owner.record(run.run_id, config),
         "scheduler": tr.scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler is not None else None,
         "param_groups": optim_sd["param_groups"],  # hyper-parameters: JSON, not pickle
     }
     tensors = {"model": model_sd, "optim": optim_sd["state"]}
     return checkpoint.save(Path(cfg.run.dir), run.step, tensors, manifest, ctx,
-                           cfg.train.keep_checkpoints, tr.stepper.fault)
+                           cfg.train.keep_checkpoints, tr.stepper.fault, run.watch)
 
 
 def load(path: Path, cfg: Config, ctx: DistContext, tr: Training) -> dict[str, Any]:
     """Restore model, optimizer, schedule, scaler and RNG; returns the checkpoint's manifest."""
     model_sd, optim_sd = tr.strategy.state_dict(tr.model, tr.optimizer, full=False)  # to fill
     tensors = {"model": model_sd, "optim": optim_sd["state"]}
-    manifest = checkpoint.load(path, tensors, cfg.model_dump(mode="json"), ctx)
+    manifest = checkpoint.load(path, tensors, ctx)
     tr.strategy.load_state_dict(tr.model, tr.optimizer, tensors["model"],
                                 {"state": tensors["optim"], "param_groups": manifest["param_groups"]})
     tr.scheduler.load_state_dict(manifest["scheduler"])

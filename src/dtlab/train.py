@@ -32,6 +32,7 @@ from dtlab import (
     interrupt,
     lora,
     numerics,
+    run_owner,
     state,
 )
 from dtlab.compile import compile_blocks, compiled_forward
@@ -59,8 +60,15 @@ from dtlab.metrics import MetricsLog, log_step, restart_peak
 from dtlab.models import build_model, check_model, count_params, memory_format
 from dtlab.optim import build_scheduler
 from dtlab.profile_window import windows
+from dtlab.run_owner import DirectoryWatch, PeerSawRunDirGone, RunDirGone
 from dtlab.run_state import RunState, Training
-from dtlab.run_stop import STOP_DEADLINE_S, last_checkpoint, record_stop, stop_at_boundary
+from dtlab.run_stop import (
+    STOP_DEADLINE_S,
+    last_checkpoint,
+    record_stop,
+    resume_hint,
+    stop_at_boundary,
+)
 from dtlab.step import Stepper
 from dtlab.strategies import registry
 from dtlab.summary import comm_breakdown, save_model, summarize
@@ -99,12 +107,13 @@ def build(cfg: Config, ctx: DistContext) -> tuple[Training, Any, TrainLoader, Ev
 
 def check_paths(cfg: Config) -> None:
     """Before any rank starts: the model's source and data.dir can be read, the run directory can
-    be written."""
+    be written and holds no other run to mix this one with."""
     check_model(cfg.model)
     if cfg.train.lora.rank:
         lora.require_peft()
     check_data_dir(cfg)
     files.check_writable_dir(cfg.run.run_dir, "run.dir")
+    run_owner.check_start(cfg)
 
 
 def total_steps(cfg: Config, loader: TrainLoader) -> int:
@@ -113,27 +122,30 @@ def total_steps(cfg: Config, loader: TrainLoader) -> int:
 
 def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     run_dir = cfg.run.run_dir
+    watch = DirectoryWatch(run_dir)  # what is written after a failure goes only where it belongs
     try:
-        summary = _train(cfg, ctx, run_dir)
+        summary = _train(cfg, ctx, run_dir, watch)
     except Interrupted as e:
         e.where = e.where or f" during set-up{last_checkpoint(cfg, run_dir)}"
-        flight_recorder.dump(run_dir, ctx.rank, ctx.world_size, e.line().removeprefix("dtlab: "))
-        if ctx.is_main and not e.quiet:
-            record_stop(run_dir, e)
+        if watch.intact():
+            flight_recorder.dump(run_dir, ctx.rank, ctx.world_size, e.line().removeprefix("dtlab: "))
+            if ctx.is_main and not e.quiet:
+                record_stop(run_dir, e)
         raise
-    except ConfigError:  # the same mistake on every rank, said before any collective
+    except (ConfigError, RunDirGone, PeerSawRunDirGone):  # said once; nothing to record
         raise
     except Exception as e:
-        flight_recorder.dump(run_dir, ctx.rank, ctx.world_size, str(e).strip().split("\n")[0])
+        if watch.intact():
+            flight_recorder.dump(run_dir, ctx.rank, ctx.world_size, str(e).strip().split("\n")[0])
         if isinstance(e, torch.OutOfMemoryError):  # in set-up or after the steps (they say which)
             raise RunError(out_of_memory(e, "outside the training steps", ctx, run_dir)) from None
         raise
-    if ctx.is_main:
+    if ctx.is_main and watch.intact():
         record_stop(run_dir, None)
     return summary
 
 
-def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
+def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) -> dict[str, Any]:
     started = time.perf_counter()
     numerics.apply(cfg.run, ctx.device)  # before any kernel runs
     tr, train_set, loader, val_loader = build(cfg, ctx)
@@ -146,15 +158,18 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
     # Resume: model, optimizer, schedule, RNG and the position in the data order.
     path = state.resume_path(cfg, run_dir, ctx)
     if path is not None:
-        run.start = state.load(path, cfg, ctx, tr)["step"]
+        manifest = state.load(path, cfg, ctx, tr)
+        run.start, run.run_id = manifest["step"], run_owner.run_id_of(manifest) or ""
         run.step, run.resumed_from = run.start, path
         tr.stepper.step_number = run.start
+    run_owner.begin(run, ctx, cfg, path, watch)
     profiler, snapshot = windows(cfg, run_dir, ctx, run.total_steps, run.start)
     log = MetricsLog(run_dir, ctx.is_main, run.total_steps, cfg.run.progress, cfg.run.tensorboard,
                      resume_step=run.start if path is not None else None)
     run.lost_steps = log.lost_steps
     if path is not None and ctx.is_main:
-        done = " (the run is complete: evaluating only; resume=none starts over)" if run.done else ""
+        done = (" (the run is complete: evaluating only; resume=none run.overwrite=true starts "
+                "over)" if run.done else "")
         print(f"dtlab: resuming from {path} at step {run.start}{done}; steps lost since that "
               f"checkpoint: {log.lost_steps}", file=sys.stderr, flush=True)
     if ctx.is_main:
@@ -210,6 +225,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
         if cfg.train.checkpoint_every and \
                 not (checkpoint.checkpoint_root(run_dir) / f"step_{run.step:06d}").is_dir():
             state.save(cfg, ctx, tr, run)  # the end of the run (or of a resumed run, here in run.dir)
+        run_owner.check_directory(ctx, watch, run.step)  # the summary goes where the run began
     except torch.OutOfMemoryError as e:
         held = strategy.state_bytes(tr.model, tr.optimizer)
         raise RunError(out_of_memory(e, f"at step {run.step}", ctx, run_dir, held,
@@ -224,12 +240,12 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
     except Interrupted as e:  # forced: a hang, a second Ctrl-C, or after the last step
         done = run.start + len(run.step_times)
         e.where = e.where or (f" after the last step ({done}), before the summary was written; "
-                              "resume=auto writes it" if run.done and done == run.step else
+                              f"{resume_hint('resume=auto writes it')}" if run.done and done == run.step else
                               f" during step {done + 1}{last_checkpoint(cfg, run_dir)}")
         raise
     finally:
         log.close()  # the progress bar too: the terminal is left clean
-        profiler.close(complete=False)  # a run stopped inside the window: its trace so far
+        profiler.close(complete=False, write=watch.intact())  # stopped inside the window: its trace so far
         snapshot.stop()
 
     try:
@@ -248,7 +264,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path) -> dict[str, Any]:
         log.write_summary(summary)
     except Interrupted as e:
         e.where = e.where or (f" after the last step ({run.step}), before the summary was "
-                              "written; resume=auto writes it")
+                              f"written; {resume_hint('resume=auto writes it')}")
         raise
     finally:
         log.close()

@@ -259,6 +259,9 @@ class LabConfig(Section):
 
 class RunConfig(Section):
     dir: str | None = None  # None = runs/<config name>-<strategy>
+    # a run that starts over (resume=none) deletes an earlier run's checkpoints, metrics and
+    # summary in run.dir first; without it, it refuses to start beside them (dtlab/run_owner.py)
+    overwrite: bool = False
     log_every: PositiveInt = 10
     timing_warmup_steps: NonNegativeInt = 3  # excluded from the medians
     threads: NonNegativeInt = 0  # intra-op threads per rank, 0 = cores / ranks on this node

@@ -206,7 +206,12 @@ def file_links(run_dir: Path, out: Path) -> list[str]:
                   if p.is_file() and p.resolve() != out.resolve()]
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
-        items.append((ckpt, "the latest checkpoint (resume=auto continues from it; "
+        # what continues it whoever started the run (compare's config says resume=none), on the
+        # ranks that wrote it, here (a copied or moved run directory's config names the old place)
+        ranks = (read_json(ckpt / "dtlab-checkpoint.json") or {}).get("world_size")
+        nproc = f" --nproc-per-node {ranks}" if isinstance(ranks, int) and ranks > 1 else ""
+        again = f"dtlab train{nproc} --config {run_dir / 'config.yaml'} resume=auto run.dir={run_dir}"
+        items.append((ckpt, f"the latest checkpoint (`{again}` continues from it; "
                             "`dtlab export` makes a model file of it)"))
     if not items:
         return ["<p class='missing'>no files besides this report.</p>"]

@@ -28,6 +28,7 @@ import torch
 
 from dtlab.checkpoint import MANIFEST, complete_checkpoints
 from dtlab.errors import ConfigError
+from dtlab.run_owner import start_over
 from dtlab.strategies.spec import Config
 
 # The flat fp32 master partitions, by optimizer class: DeepSpeedZeroOptimizer (stages 1 and 2),
@@ -178,8 +179,8 @@ def check_resume(cfg: Config, current: dict[str, Any]) -> None:
         raise ConfigError(
             f"checkpoint '{path}' was written by strategy {strategy}, and strategy deepspeed "
             "resumes only its own checkpoints (its optimizer state is DeepSpeed's per-rank "
-            f"partitions); fix: resume it with strategy.name={strategy}, or start over with "
-            "resume=none")
+            f"partitions); fix: resume it with strategy.name={strategy}, or "
+            f"{start_over(cfg.run.run_dir)}")
     groups = manifest.get("param_groups") or [{}]
     saved = groups[0].get(LAYOUT) if isinstance(groups[0], dict) else None
     if not isinstance(saved, dict):
@@ -202,4 +203,4 @@ def check_resume(cfg: Config, current: dict[str, Any]) -> None:
         raise ConfigError(
             f"checkpoint '{path}' holds DeepSpeed partitions for {', '.join(differs)}, which load "
             f"only into the layout that wrote them; fix: resume with {' and '.join(fixes)}, or "
-            "start over with resume=none")
+            f"{start_over(cfg.run.run_dir)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import time
 from pathlib import Path
 
@@ -103,10 +104,20 @@ def run_sweep(spec_path: str, launcher: str, dry_run: bool, out: str | None,
             if (read_record(p.run_dir) or {}).get("status") == "running":
                 update_record(p.run_dir, status="interrupted", reason="the sweep was interrupted",
                               finished_at=now())
+        again = rerun_command(spec_path, launcher, out, timeout_s, requeue)
         e.where = (e.where or ": no run was running") + \
-            f"; `dtlab sweep {spec_path}` again continues the sweep (finished runs are kept)"
+            f"; `{again}` continues the sweep (finished runs are kept)"
         raise
     return finish(out_dir, valid)
+
+
+def rerun_command(spec_path: str, launcher: str, out: str | None, timeout_s: float | None,
+                  requeue: bool) -> str:
+    """The command that continues this sweep: the same spec, launcher, output and limits."""
+    args = [spec_path, *(["--launcher", launcher] if launcher != "local" else []),
+            *(["--out", out] if out else []), *(["--timeout", f"{timeout_s:g}"] if timeout_s else []),
+            *(["--requeue"] if requeue else [])]
+    return "dtlab sweep " + shlex.join(args)
 
 
 def stopped_where(p: PlannedRun, reason: str) -> str:

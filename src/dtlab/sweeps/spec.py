@@ -198,6 +198,8 @@ def expand(spec: SweepSpec, out_dir: Path, launcher: str) -> list[PlannedRun]:
         run.run_dir = out_dir / "runs" / run.key
         cfg.run.dir = str(run.run_dir)
         cfg.run.progress = False
+        # A run that starts over in its directory (a failed one run again) replaces what it left.
+        cfg.run.overwrite = True
         run.config = cfg
         plans.append(run)
     if plans and all(p.invalid for p in plans):
