@@ -111,6 +111,17 @@ def _switch_model(tree: dict[str, Any], from_file: dict[str, Any], overridden: s
         del model[key]
 
 
+def _switch_hf_source(tree: dict[str, Any], keys: list[list[str]]) -> None:
+    """`--config hf_llama.yaml model.hf.path=DIR` trains the directory's model: the file's
+    model.hf.config fields (another model's sizes) go, those given beside the path stay."""
+    if ["model", "hf", "path"] not in keys or ["model", "hf", "config"] in keys:
+        return
+    hf = tree["model"].get("hf") if isinstance(tree.get("model"), dict) else None
+    if isinstance(hf, dict) and isinstance(hf.get("config"), dict):
+        kept = {k[3] for k in keys if len(k) > 3 and k[:3] == ["model", "hf", "config"]}
+        hf["config"] = {k: v for k, v in hf["config"].items() if k in kept} or None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML config (or the built-in quick defaults), apply overrides and validate."""
     tree = read_yaml(path) if path is not None else {}
@@ -120,6 +131,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if file_model is not None:
         keys = [item.partition("=")[0].strip().split(".") for item in overrides]
         _switch_model(tree, file_model, {k[1] for k in keys if len(k) > 1 and k[0] == "model"})
+        _switch_hf_source(tree, keys)
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as e:

@@ -1,0 +1,155 @@
+"""What `model.name=hf` checks before any rank starts, beyond "the config loads" (dtlab/models/hf.py):
+
+- the fields: a misspelt field in a directory's config.json (transformers keeps any key as an
+  attribute, so a typo would silently leave the default in place);
+- the sizes: positive, heads dividing the width, key/value heads dividing the heads;
+- the model is causal: an encoder (BERT and its family, `is_decoder: false`) has an LM head in
+  transformers but attention that sees the whole sequence, so it would train on the future;
+- the weights of `model.hf.path`: present, readable safetensors, and every tensor the model
+  expects there with its shape. This is transformers' own loading done on the meta device (the
+  files' headers are read, never their data), so its renames and tied weights are honoured; a
+  config.json whose model_type does not match its weights, or an override of a shape, would
+  otherwise start from random weights without a word.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+from dtlab.errors import ConfigError
+
+# Sizes that must be positive where a config has them (under transformers' canonical names,
+# which attribute_map translates for GPT-2's n_embd and the like).
+SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "intermediate_size", "max_position_embeddings", "head_dim")
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+           "pytorch_model.bin.index.json")
+
+
+def own_name(cfg: Any, name: str) -> str:
+    """A field as the config's own class names it (GPT-2: n_embd for hidden_size)."""
+    return getattr(type(cfg), "attribute_map", {}).get(name, name)
+
+
+def source(m: Any, field: str | None = None) -> str:
+    """Where a field's value came from, as the user wrote it: an override, or config.json."""
+    overrides = m.hf.config or {}
+    if m.hf.path is None or (field is not None and field in overrides):
+        return f"model.hf.config.{field}" if field else "model.hf.config"
+    return f"model.hf.path '{m.hf.path}': config.json" + (f"'s {field}" if field else "")
+
+
+def where_to_fix(m: Any, field: str) -> str:
+    if m.hf.path is None or field in (m.hf.config or {}):
+        return ""
+    return f" in {Path(m.hf.path) / 'config.json'}"
+
+
+def check_file_fields(cfg: Any, path: str) -> None:
+    """A field of config.json that the config class neither knows nor converts, and that is
+    close to one it knows, is a misspelling. Unrelated extra keys (metadata other tools write,
+    dtlab's own) are left alone."""
+    file = Path(path) / "config.json"
+    try:
+        written = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return  # transformers read it; nothing more to say here
+    known = set(type(cfg)().to_dict()) | set(getattr(type(cfg), "attribute_map", {}))
+    held = cfg.to_dict()
+    for key in written if isinstance(written, dict) else ():
+        if key in known or key not in held or key.startswith("_"):
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+        if close:
+            raise ConfigError(f"model.hf.path '{path}': config.json field '{key}' is not a field "
+                              f"of {type(cfg).__name__} (did you mean '{close[0]}'?); fix: "
+                              f"rename it in {file}")
+
+
+def check_sizes(m: Any, cfg: Any) -> None:
+    """Sizes positive, attention heads dividing the width, key/value heads dividing the heads."""
+    for name in SIZES:
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+            own = own_name(cfg, name)
+            raise ConfigError(f"{source(m, own)}={value}: a size must be at least 1; fix: set "
+                              f"{own} to a positive number{where_to_fix(m, own)}")
+    width, heads = getattr(cfg, "hidden_size", None), getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None)
+    if isinstance(width, int) and isinstance(heads, int) and getattr(cfg, "head_dim", None) is None \
+            and width % heads:
+        w, h = own_name(cfg, "hidden_size"), own_name(cfg, "num_attention_heads")
+        raise ConfigError(f"{source(m, h)}={heads} does not divide {w}={width}; fix: choose "
+                          f"{h} among the divisors of {width}{where_to_fix(m, h)}")
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        raise ConfigError(f"{source(m, 'num_key_value_heads')}={kv} does not divide "
+                          f"num_attention_heads={heads}; fix: choose num_key_value_heads among "
+                          f"the divisors of {heads}{where_to_fix(m, 'num_key_value_heads')} "
+                          "(equal to it for plain multi-head attention)")
+
+
+def check_causal(m: Any, cfg: Any) -> None:
+    """Configs of the encoder families carry `is_decoder`; false means attention in both
+    directions (the decoder-only families have no such field: they are causal)."""
+    if getattr(cfg, "is_decoder", True) is False:
+        raise ConfigError(f"{source(m)}: model_type={cfg.model_type} is an encoder (is_decoder: "
+                          "false), whose attention sees the tokens it predicts; fix: use a "
+                          "decoder-only model (Llama, GPT-2, Qwen, Mistral, ...)")
+
+
+def check_weights(m: Any, cfg: Any, transformers: Any, load_config: Any) -> None:
+    """`model.hf.path`'s weights: present, readable, and each tensor the model needs there with
+    its shape. `load_config(fields)` is the directory's config with those overrides."""
+    path = Path(m.hf.path)
+    if not path.is_dir():
+        return  # a hub id: transformers downloads and checks it
+    if not any((path / name).is_file() for name in WEIGHTS):
+        raise ConfigError(f"model.hf.path '{path}' holds no weights (model.safetensors); fix: "
+                          "point it at a directory with its weights (e.g. `dtlab export --format "
+                          "hf`), or for random weights give its fields as model.hf.config")
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):  # reads and checks the header only
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"model.hf.path: '{file}' is not a complete safetensors file "
+                              f"({str(e).splitlines()[0][:100]}); fix: write it again (`dtlab "
+                              "export --format hf`) or copy it again from its source") from None
+    problem = weight_problem(path, cfg, transformers)
+    if problem is None:
+        return
+    overrides = sorted(m.hf.config or {})
+    if overrides and weight_problem(path, load_config({}), transformers) is None:
+        raise ConfigError(f"model.hf.config override(s) {', '.join(overrides)} change the shapes "
+                          f"of the weights in model.hf.path '{path}' ({problem}); fix: remove "
+                          "them (with a path, overrides may change only what keeps the weights' "
+                          "shapes: dropout, rope scaling, ...)")
+    raise ConfigError(f"model.hf.path '{path}': its weights do not fit its config.json "
+                      f"(model_type={cfg.model_type}: {problem}); fix: use the config.json "
+                      "written with these weights (its model_type and sizes)")
+
+
+def weight_problem(path: Path, cfg: Any, transformers: Any) -> str | None:
+    """What transformers would initialise randomly or fail to load, from the files' headers."""
+    auto = transformers.AutoModelForCausalLM
+    try:
+        _, info = auto.from_pretrained(str(path), config=cfg, device_map="meta",
+                                       output_loading_info=True, ignore_mismatched_sizes=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        return f"transformers cannot load them: {str(e).splitlines()[0][:120]}"
+    missing, mismatched = sorted(info["missing_keys"]), sorted(info["mismatched_keys"])
+    if mismatched:
+        name, in_file, in_model = mismatched[0]
+        return (f"{len(mismatched)} tensor(s) of another shape, e.g. '{name}' "
+                f"{list(in_file)} in the files, {list(in_model)} in the model")
+    if missing:
+        unexpected = sorted(info["unexpected_keys"])
+        extra = f", and {len(unexpected)} it has no place for (e.g. '{unexpected[0]}')" \
+            if unexpected else ""
+        return f"{len(missing)} tensor(s) the model needs are missing (e.g. '{missing[0]}'){extra}"
+    return None
