@@ -36,6 +36,14 @@ def cut(file: Path, keep: int) -> None:
     file.write_bytes(file.read_bytes()[:keep])
 
 
+def split_in_two_shards_and_lose_one(d: Path) -> None:
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002"
+                                            ".safetensors", "lm_head.weight": "model-00002-of-00002"
+                                            ".safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
 def hf_dirs(root: Path) -> None:
     """llama: a good directory; the others: a copy with one thing wrong."""
     torch = pytest.importorskip("torch")
@@ -55,6 +63,8 @@ def hf_dirs(root: Path) -> None:
         "wider_config": lambda d: config_json(d, hidden_size=64),
         "five_heads": lambda d: config_json(d, num_attention_heads=5),
         "vocab_0": lambda d: config_json(d, vocab_size=0),
+        "unknown_type": lambda d: config_json(d, model_type="llamma"),
+        "missing_shard": split_in_two_shards_and_lose_one,
     }
     for name, breaks in broken.items():
         shutil.copytree(root / "llama", root / name)
@@ -118,6 +128,12 @@ CASES = [
      "model.safetensors' is not a complete safetensors file"),
     ("a model directory's weights file that is not safetensors is refused",
      HF + "not_safetensors", "model.safetensors' is not a complete safetensors file"),
+    ("a config.json naming a model type transformers does not know is refused",
+     HF + "unknown_type", "config.json names model_type='llamma', which this transformers does "
+     "not know; fix: correct it there"),
+    ("a sharded model directory missing a shard is refused", HF + "missing_shard",
+     "model.safetensors.index.json lists the shard model-00002-of-00002.safetensors, which is "
+     "not in"),
     ("a config.json whose model_type does not match its weights is refused (no random weights)",
      HF + "gpt2_config", "its weights do not fit its config.json (model_type=gpt2: 16 tensor(s) "
      "the model needs are missing (e.g. 'transformer.h.0.attn.c_attn.bias'), and 11 it has no "

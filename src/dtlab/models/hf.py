@@ -101,6 +101,8 @@ def _load_config(m: Any, fields: dict[str, Any]) -> Any:
         if Path(path).exists() and not Path(path).is_dir():
             raise ConfigError(f"model.hf.path '{path}' is a file; fix: give the directory that "
                               "holds config.json and the weights")
+        if Path(path).is_dir():
+            hf_check.check_file_type(path, t.CONFIG_MAPPING)
         try:
             cfg = _strict(lambda: t.AutoConfig.from_pretrained(path, **fields),
                           f"model.hf.path '{path}' (config.json{' + model.hf.config' * bool(fields)})")

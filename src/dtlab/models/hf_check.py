@@ -48,6 +48,27 @@ def where_to_fix(m: Any, field: str) -> str:
     return f" in {Path(m.hf.path) / 'config.json'}"
 
 
+def check_file_type(path: str, known: Any) -> None:
+    """A directory's config.json names a model type transformers knows (`known`: its
+    CONFIG_MAPPING), said before transformers' own, longer, message."""
+    file = Path(path) / "config.json"
+    try:
+        written = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return  # transformers says what is wrong with the file itself
+    if not isinstance(written, dict):
+        raise ConfigError(f"model.hf.path: {file} holds a {type(written).__name__}, not a "
+                          "config (an object of fields); fix: write the model's config there")
+    model_type = written.get("model_type")
+    if model_type is None:
+        raise ConfigError(f"model.hf.path: {file} has no model_type; fix: add it there (e.g. "
+                          "\"model_type\": \"llama\")")
+    if model_type not in known:
+        raise ConfigError(f"model.hf.path: {file} names model_type={model_type!r}, which "
+                          "this transformers does not know; fix: correct it there (e.g. llama, "
+                          "gpt2, qwen2, mistral), or upgrade transformers")
+
+
 def check_file_fields(cfg: Any, path: str) -> None:
     """A field of config.json that the config class neither knows nor converts, and that is
     close to one it knows, is a misspelling. Unrelated extra keys (metadata other tools write,
@@ -110,6 +131,18 @@ def check_weights(m: Any, cfg: Any, transformers: Any, load_config: Any) -> None
         raise ConfigError(f"model.hf.path '{path}' holds no weights (model.safetensors); fix: "
                           "point it at a directory with its weights (e.g. `dtlab export --format "
                           "hf`), or for random weights give its fields as model.hf.config")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise ConfigError(f"model.hf.path: {index} is not an index of shards (an object with "
+                              "a weight_map); fix: write it again with the shards "
+                              "(`dtlab export --format hf`)") from None
+        for shard in shards:
+            if not (path / shard).is_file():
+                raise ConfigError(f"model.hf.path: {index} lists the shard {shard}, which is not "
+                                  f"in {path}; fix: copy every shard of the model there")
     from safetensors import SafetensorError, safe_open
 
     for file in sorted(path.glob("*.safetensors")):
