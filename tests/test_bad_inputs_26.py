@@ -161,7 +161,9 @@ CASES = [
      "does not divide num_attention_heads=4; fix: choose num_key_value_heads among the divisors"),
     ("GPT-2 heads that do not divide the width are refused",
      "train model.name=hf model.hf.config.model_type=gpt2 model.hf.config.n_head=5",
-     "model.hf.config.n_head=5 does not divide n_embd=768; fix: choose n_head among"),
+     "model.hf.config: transformers cannot build GPT2 from these fields (ValueError: `embed_dim` "
+     "must be divisible by num_heads (got `embed_dim`: 768 and `num_heads`: 5).); fix: correct "
+     "the field behind it (given: n_head)"),
     ("vocab_size=0 in config.json is refused", HF + "vocab_0",
      "config.json's vocab_size=0: a size must be at least 1; fix: set vocab_size to a positive "
      "number in"),
@@ -171,6 +173,16 @@ CASES = [
     ("a negative layer count as a config field is refused",
      "train model.name=hf model.hf.config.model_type=llama model.hf.config.num_hidden_layers=-1",
      "model.hf.config.num_hidden_layers=-1: a size must be at least 1"),
+    ("an activation transformers does not know is refused with the closest name",
+     "train model.name=hf model.hf.config.model_type=llama model.hf.config.hidden_act=selu",
+     "model.hf.config.hidden_act='selu' is not an activation transformers knows; fix: name one "
+     "it does (did you mean silu?)"),
+    ("text where the config has a number (rope_theta, converted by transformers) is refused",
+     "train model.name=hf model.hf.config.model_type=llama model.hf.config.rope_theta=abc",
+     "model.hf.config.rope_theta='abc': LlamaConfig's rope_theta is a number; fix: give it one"),
+    ("a model transformers cannot build with dtlab's attention is refused before any rank",
+     "train model.name=hf model.hf.config.model_type=gemma2 model.hf.config.num_hidden_layers=1",
+     "model.hf.config: transformers cannot build Gemma2 from these fields (ValueError: "),
     # ------------------------------------------------------------------------ dtlab's own GPT
     ("dtlab's GPT with heads that do not divide the width is refused",
      "train model.name=gpt model.n_head=3", "model.n_embd=128 is not divisible by model.n_head=3"),
@@ -188,6 +200,8 @@ CASES = [
      "unknown config key 'trian'; fix: remove it (did you mean 'train.max_steps'?)"),
     ("a misspelt strategy section gets the key it meant", "train stratgy.name=ddp",
      "(did you mean 'strategy.name'?)"),
+    ("a misspelt option of another model names that model", "train model.n_lyer=2",
+     "(did you mean 'model.n_layer', an option of model.name=gpt?)"),
     ("a bad value of a true/false/auto key names the key, not a type",
      "train model.channels_last=maybe", "model.channels_last: Input should be a valid boolean or "
      "'auto' (got 'maybe'); fix: set model.channels_last to a valid value"),

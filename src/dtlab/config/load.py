@@ -261,12 +261,29 @@ def _unknown_key(key: str, loc: tuple[Any, ...], value: Any = None) -> str:
         if owners:  # an option of another model: say which, and how to get it
             return (f"config key '{key}' belongs to model.name={' or '.join(owners)}, not "
                     f"model.name={name}; fix: remove {key}, or set model.name={owners[0]}")
-        choices = valid_keys(_MODELS[name], "model.")
+        close = _closest_key(_typed(key, value), valid_keys(_MODELS[name], "model."))
+        other = _closest_of_other_models(option, name)
+        if other is not None and (close is None or _likeness(option, other[0]) >
+                                  _likeness(option, close.removeprefix("model."))):
+            return (f"unknown config key '{key}'; fix: remove it (did you mean "
+                    f"'model.{other[0]}', an option of model.name={other[1]}?)")
     else:
-        choices = valid_keys()
-    close = _closest_key(_typed(key, value), choices)
+        close = _closest_key(_typed(key, value), valid_keys())
     hint = f"did you mean '{close}'?" if close else "see `dtlab config --keys` for valid keys"
     return f"unknown config key '{key}'; fix: remove it ({hint})"
+
+
+def _likeness(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
+
+
+def _closest_of_other_models(option: str, name: str) -> tuple[str, str] | None:
+    """(option, model) of another model that `option` most looks like (model.n_lyer under
+    the default cnn: gpt's n_layer), or None."""
+    found = [(_likeness(option, o), o, n) for n, m in _MODELS.items() if n != name
+             for o in m.model_fields if o != "name"]
+    best = max(found, default=(0.0, "", ""))
+    return (best[1], best[2]) if best[0] >= 0.75 else None
 
 
 def _expected(msgs: list[str]) -> str:

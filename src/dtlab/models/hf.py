@@ -132,10 +132,10 @@ def max_positions(config: Any) -> int | None:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
-def check(m: Any, weights: bool = True) -> None:
+def check(m: Any, thorough: bool = True) -> None:
     """Before any rank starts: the config loads with sizes that fit together, the model is a
-    causal LM, the sequence fits its positions, and (`weights`) model.hf.path's weights fit the
-    model (dtlab/models/hf_check.py)."""
+    causal LM, the sequence fits its positions, and (`thorough`) it builds on the meta device and
+    model.hf.path's weights fit it (dtlab/models/hf_check.py)."""
     config = hf_config(m)
     t = require_transformers()
     if type(config) not in t.AutoModelForCausalLM._model_mapping:
@@ -143,12 +143,16 @@ def check(m: Any, weights: bool = True) -> None:
                           "transformers; fix: use a decoder-only model (Llama, GPT-2, Qwen, ...)")
     hf_check.check_causal(m, config)
     hf_check.check_sizes(m, config)
+    hf_check.check_activations(m, config, t)
+    hf_check.check_kinds(m, config)
     limit = max_positions(config)
     if limit is not None and m.block_size > limit:
         raise ConfigError(f"model.block_size={m.block_size} exceeds the model's {limit} "
                           f"positions; fix: set model.block_size to at most {limit}")
-    if weights and m.hf.path is not None:
-        hf_check.check_weights(m, config, t, lambda fields: _load_config(m, fields))
+    if thorough:
+        hf_check.check_builds(m, config, t, ATTENTION)
+        if m.hf.path is not None:
+            hf_check.check_weights(m, config, t, lambda fields: _load_config(m, fields))
 
 
 class HFCausalLM(nn.Module):
@@ -179,7 +183,7 @@ def build(m: Any) -> HFCausalLM:
     """The model of an HFConfig: its weights from `path`, or initialised from the current seed;
     shapes only under torch.device("meta")."""
     t = require_transformers()
-    check(m, weights=False)  # the launcher checked the weights (check_model)
+    check(m, thorough=False)  # the launcher did the rest (check_model)
     config, dtype = hf_config(m), DTYPES[m.hf.dtype]
     on_meta = torch.empty(0).device.type == "meta"
     if m.hf.path is not None and not on_meta:

@@ -90,26 +90,85 @@ def check_file_fields(cfg: Any, path: str) -> None:
                               f"rename it in {file}")
 
 
+def field(cfg: Any, name: str) -> Any:
+    """cfg.name, None where the config has none (or only per layer, as Gemma 4's head_dim)."""
+    try:
+        return getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001 - transformers' per-layer attributes raise their own error
+        return None
+
+
 def check_sizes(m: Any, cfg: Any) -> None:
-    """Sizes positive, attention heads dividing the width, key/value heads dividing the heads."""
+    """Sizes set to zero or less (a default of -1 is the class's own "unlimited": left alone);
+    key/value heads dividing the attention heads (the width is the model's own check:
+    transformers' config validation, or its layers when built, check_builds)."""
+    defaults = type(cfg)()
     for name in SIZES:
-        value = getattr(cfg, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+        value = field(cfg, name)
+        if isinstance(value, int) and not isinstance(value, bool) and value <= 0 \
+                and value != field(defaults, name):
             own = own_name(cfg, name)
             raise ConfigError(f"{source(m, own)}={value}: a size must be at least 1; fix: set "
                               f"{own} to a positive number{where_to_fix(m, own)}")
-    width, heads = getattr(cfg, "hidden_size", None), getattr(cfg, "num_attention_heads", None)
-    kv = getattr(cfg, "num_key_value_heads", None)
-    if isinstance(width, int) and isinstance(heads, int) and getattr(cfg, "head_dim", None) is None \
-            and width % heads:
-        w, h = own_name(cfg, "hidden_size"), own_name(cfg, "num_attention_heads")
-        raise ConfigError(f"{source(m, h)}={heads} does not divide {w}={width}; fix: choose "
-                          f"{h} among the divisors of {width}{where_to_fix(m, h)}")
-    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+    heads, kv = field(cfg, "num_attention_heads"), field(cfg, "num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
         raise ConfigError(f"{source(m, 'num_key_value_heads')}={kv} does not divide "
                           f"num_attention_heads={heads}; fix: choose num_key_value_heads among "
                           f"the divisors of {heads}{where_to_fix(m, 'num_key_value_heads')} "
                           "(equal to it for plain multi-head attention)")
+
+
+def check_activations(m: Any, cfg: Any, transformers: Any) -> None:
+    """Activation names transformers can look up (a wrong one fails only when the model is built)."""
+    from transformers.activations import ACT2FN
+
+    for name, value in cfg.to_dict().items():
+        if (name.endswith("_act") or name in ("activation_function", "hidden_activation")) \
+                and isinstance(value, str) and value not in ACT2FN:
+            close = difflib.get_close_matches(value, sorted(ACT2FN), n=1)
+            hint = f"did you mean {close[0]}?" if close else "e.g. silu, gelu, relu"
+            raise ConfigError(f"{source(m, name)}={value!r} is not an activation transformers "
+                              f"knows; fix: name one it does ({hint}){where_to_fix(m, name)}")
+
+
+def check_kinds(m: Any, cfg: Any) -> None:
+    """No text where the config class has a number (also inside its dicts: rope_parameters holds
+    rope_theta): fields that transformers converts are not type-checked by it."""
+    defaults = type(cfg)().to_dict()
+
+    def numeric(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    for name, value in cfg.to_dict().items():
+        default = defaults.get(name)
+        pairs = [(name, default, value)]
+        if isinstance(default, dict) and isinstance(value, dict):
+            pairs = [(k, default.get(k), v) for k, v in value.items()]
+        for key, want, got in pairs:
+            if numeric(want) and isinstance(got, str):  # (a list is fine: eos_token_id)
+                raise ConfigError(f"{source(m, key)}={got!r}: {type(cfg).__name__}'s {key} is a "
+                                  f"number; fix: give it one{where_to_fix(m, key)}")
+
+
+def check_builds(m: Any, cfg: Any, transformers: Any, attention: str) -> None:
+    """The model builds on the meta device (no memory; ~0.1 s for an 8B Llama): what only the
+    model's own code rejects (an attention it does not support) is one line here, not a
+    traceback on every rank. (No forward: on meta, mixture-of-experts layers take kernels that
+    they would not take on a real device.)"""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attention)
+    except Exception as e:  # noqa: BLE001 - whatever the model's code raises, as one line
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else '?'}"
+        given = sorted(set(m.hf.config or {}) - {"model_type"})
+        among = f" (given: {', '.join(given)})" if given else \
+            f" in {Path(m.hf.path) / 'config.json'}" if m.hf.path else ""
+        raise ConfigError(f"{source(m)}: transformers cannot build "
+                          f"{type(cfg).__name__.removesuffix('Config')} from these fields "
+                          f"({why}); fix: correct the field behind it{among}, or use another "
+                          "model") from None
 
 
 def check_causal(m: Any, cfg: Any) -> None:
