@@ -150,6 +150,9 @@ CASES = [
     ("an encoder directory (BERT) is refused as a causal LM", HF + "bert",
      "model_type=bert is an encoder (is_decoder: false), whose attention sees the tokens it "
      "predicts; fix: use a decoder-only model"),
+    ("compare refuses an encoder directory once, before any run starts",
+     "compare --strategies single,ddp --nproc-per-node 2 --out {ws}/compare model.name=hf "
+     "model.block_size=16 model.hf.path={ws}/hf/bert", "model_type=bert is an encoder"),
     ("an encoder given by config fields is refused",
      "train model.name=hf model.hf.config.model_type=bert run.dir={ws}/run",
      "model.hf.config: model_type=bert is an encoder"),

@@ -212,6 +212,8 @@ def check_weights(m: Any, cfg: Any, transformers: Any, load_config: Any) -> None
             raise ConfigError(f"model.hf.path: '{file}' is not a complete safetensors file "
                               f"({str(e).splitlines()[0][:100]}); fix: write it again (`dtlab "
                               "export --format hf`) or copy it again from its source") from None
+    if not any(path.glob("*.safetensors")):
+        return  # pytorch_model.bin: read by transformers' restricted unpickler in the ranks only
     problem = weight_problem(path, cfg, transformers)
     if problem is None:
         return
