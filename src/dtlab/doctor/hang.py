@@ -81,8 +81,9 @@ def dump_problem(dump: Any) -> str | None:
         return f"no {', '.join(missing)}"
     if not isinstance(dump["entries"], list) or not isinstance(dump["pg_config"], dict):
         return "entries must be a list and pg_config an object"
-    if not all(isinstance(g, dict) for g in dump["pg_config"].values()):
-        return "pg_config must map each group to an object"
+    if not all(isinstance(g, dict) and all(isinstance(g.get(k, ""), str) for k in ("ranks", "desc"))
+               for g in dump["pg_config"].values()):
+        return "pg_config must map each group to an object with its ranks and desc as text"
     for i, entry in enumerate(dump["entries"]):
         if not isinstance(entry, dict):
             return f"entry {i} is a {type(entry).__name__}, not an object"
