@@ -46,7 +46,8 @@ def split_in_two_shards_and_lose_one(d: Path) -> None:
 
 def hf_dirs(root: Path) -> None:
     """llama: a good directory; the others: a copy with one thing wrong."""
-    torch = pytest.importorskip("torch")
+    import torch
+
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).save_pretrained(root / "llama")
     bert = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64,

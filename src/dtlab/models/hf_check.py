@@ -1,15 +1,19 @@
 """What `model.name=hf` checks before any rank starts, beyond "the config loads" (dtlab/models/hf.py):
 
-- the fields: a misspelt field in a directory's config.json (transformers keeps any key as an
-  attribute, so a typo would silently leave the default in place);
-- the sizes: positive, heads dividing the width, key/value heads dividing the heads;
+- config.json: an object naming a model type transformers knows, without misspelt fields
+  (transformers keeps any key as an attribute, so a typo would silently leave the default);
+- the values: sizes the user set are positive, key/value heads divide the attention heads,
+  activations are ones transformers knows, no text where the config has a number (fields
+  transformers converts, such as rope_theta, escape its own type checks), and the model builds
+  on the meta device (what only the model's code rejects; heads that do not divide the width
+  are the config's or the layers' own check);
 - the model is causal: an encoder (BERT and its family, `is_decoder: false`) has an LM head in
   transformers but attention that sees the whole sequence, so it would train on the future;
-- the weights of `model.hf.path`: present, readable safetensors, and every tensor the model
-  expects there with its shape. This is transformers' own loading done on the meta device (the
-  files' headers are read, never their data), so its renames and tied weights are honoured; a
-  config.json whose model_type does not match its weights, or an override of a shape, would
-  otherwise start from random weights without a word.
+- the weights of `model.hf.path`: present (every shard an index lists), complete safetensors, and
+  every tensor the model expects there with its shape. This is transformers' own loading done on
+  the meta device (the files' headers are read, never their data), so its renames and tied
+  weights are honoured; a config.json whose model_type does not match its weights, or an
+  override of a shape, would otherwise start from random weights without a word.
 """
 
 from __future__ import annotations
