@@ -169,7 +169,10 @@ def check_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
     ref = registry.REFERENCE
     if args.verify and ref not in specs:
         specs.insert(0, ref)
-    load_config(args.config, args.overrides)  # mistakes of the config itself, said once
+    from dtlab.models import check_model  # torch: imported when used
+
+    # mistakes of the config itself and of its model (a Hugging Face directory), said once
+    check_model(load_config(args.config, args.overrides).model)
     plans = {}
     for spec in specs:
         plans[spec] = parse_spec(spec)

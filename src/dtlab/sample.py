@@ -41,10 +41,8 @@ def load(source: Path) -> tuple[Any, Any]:
     elif (source / "config.yaml").is_file():
         cfg = load_config(source / "config.yaml")
         if (source / "model.safetensors").is_file():
-            from safetensors.torch import load_file
-
             model = build_model(cfg.model, spec_for(cfg), cfg.train.lora)
-            model.load_state_dict(load_file(str(source / "model.safetensors")))
+            load_weights(model, source / "model.safetensors")
         elif (checkpoint := newest_verified(source)) is not None:
             cfg, model = checkpoint_model(checkpoint)
         else:
@@ -57,6 +55,33 @@ def load(source: Path) -> tuple[Any, Any]:
         raise DtlabError(f"{source} holds a {cfg.model.name} model, which does not generate text; "
                          "fix: sample from a run of model.name=gpt or hf")
     return cfg, model.eval()
+
+
+def load_weights(model: Any, file: Path) -> None:
+    """A run's model.safetensors into `model`: a file cut short, corrupt, or of another model
+    is one line."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    fix = ("fix: sample from a checkpoint instead (dtlab sample RUN_DIR/checkpoints/step_N), or "
+           "train again with run.save_model=true")
+    try:
+        tensors = load_file(str(file))
+    except (SafetensorError, OSError) as e:
+        raise DtlabError(f"'{file}' is not a complete safetensors file "
+                         f"({str(e).splitlines()[0][:100]}); {fix}") from None
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    shapes = sorted(k for k in set(expected) & set(tensors) if expected[k].shape != tensors[k].shape)
+    extra = sorted(set(tensors) - set(expected))
+    if missing or shapes or extra:
+        why = (f"{len(missing)} tensor(s) missing, e.g. '{missing[0]}'" if missing else
+               f"'{shapes[0]}' is {list(tensors[shapes[0]].shape)} in the file, "
+               f"{list(expected[shapes[0]].shape)} in the model" if shapes else
+               f"{len(extra)} tensor(s) the model has no place for, e.g. '{extra[0]}'")
+        raise DtlabError(f"'{file}' does not hold the weights of the model in its config.yaml "
+                         f"({why}); {fix}")
+    model.load_state_dict(tensors)
 
 
 def prompt_ids(cfg: Any, tok: tokenizers.Tokenizer | None, prompt: str) -> list[int]:

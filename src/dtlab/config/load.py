@@ -111,6 +111,17 @@ def _switch_model(tree: dict[str, Any], from_file: dict[str, Any], overridden: s
         del model[key]
 
 
+def _switch_hf_source(tree: dict[str, Any], keys: list[list[str]]) -> None:
+    """`--config hf_llama.yaml model.hf.path=DIR` trains the directory's model: the file's
+    model.hf.config fields (another model's sizes) go, those given beside the path stay."""
+    if ["model", "hf", "path"] not in keys or ["model", "hf", "config"] in keys:
+        return
+    hf = tree["model"].get("hf") if isinstance(tree.get("model"), dict) else None
+    if isinstance(hf, dict) and isinstance(hf.get("config"), dict):
+        kept = {k[3] for k in keys if len(k) > 3 and k[:3] == ["model", "hf", "config"]}
+        hf["config"] = {k: v for k, v in hf["config"].items() if k in kept} or None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML config (or the built-in quick defaults), apply overrides and validate."""
     tree = read_yaml(path) if path is not None else {}
@@ -120,6 +131,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if file_model is not None:
         keys = [item.partition("=")[0].strip().split(".") for item in overrides]
         _switch_model(tree, file_model, {k[1] for k in keys if len(k) > 1 and k[0] == "model"})
+        _switch_hf_source(tree, keys)
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as e:
@@ -183,10 +195,20 @@ _MODELS: dict[str, type[BaseModel]] = {"cnn": CNNConfig, "resnet": ResNetConfig,
                                         "hf": HFConfig}
 
 
+# pydantic names the member of a union it tried after the field ("bool", "literal['auto']")
+_UNION_MEMBER = re.compile(r"^(bool|int|float|str|bytes|none|[\w-]+\[.*\])$")
+
+
 def _dotted(loc: tuple[Any, ...]) -> str:
+    """The key a user writes for an error's location: without pydantic's union tags (the model
+    name, a member type) and list positions (train.betas, not train.betas.0)."""
     parts = [str(p) for p in loc]
     if len(parts) > 1 and parts[0] == "model" and parts[1] in _MODELS:
-        del parts[1]  # pydantic puts the union tag in the location
+        del parts[1]
+    for i, part in enumerate(parts[1:], 1):
+        if isinstance(loc[i + (len(loc) - len(parts))], int) or _UNION_MEMBER.match(part):
+            del parts[i:]
+            break
     return ".".join(parts)
 
 
@@ -204,19 +226,73 @@ def valid_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
     return sorted(set(keys))
 
 
-def _unknown_key(key: str, loc: tuple[Any, ...]) -> str:
+def _closest_key(key: str, choices: list[str]) -> str | None:
+    """The valid key closest to `key` segment by segment (trian.max_steps -> train.max_steps:
+    a whole-string match would pick train.lr), else the closest as a whole."""
+    chosen: list[str] = []
+    for i, part in enumerate(key.split(".")):
+        level = sorted({c.split(".")[i] for c in choices
+                        if c.split(".")[:i] == chosen and len(c.split(".")) > i})
+        pick = part if part in level else next(
+            iter(difflib.get_close_matches(part, level, n=1, cutoff=0.6)), None)
+        if pick is None:
+            break
+        chosen.append(pick)
+    else:
+        if ".".join(chosen) in choices and ".".join(chosen) != key:
+            return ".".join(chosen)
+    close = difflib.get_close_matches(key, [k for k in choices if k != key], n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _typed(key: str, value: Any) -> str:
+    """The key the user typed: a section's name and, when it holds a single option, that option
+    (`trian.max_steps=3` arrives as section 'trian' holding {max_steps: 3})."""
+    while isinstance(value, dict) and len(value) == 1:
+        (sub, value), = value.items()
+        key = f"{key}.{sub}"
+    return key
+
+
+def _unknown_key(key: str, loc: tuple[Any, ...], value: Any = None) -> str:
     if key.startswith("model.") and len(loc) > 1 and loc[1] in _MODELS:
         name, option = str(loc[1]), key.removeprefix("model.")
         owners = [n for n, m in _MODELS.items() if option in m.model_fields]
         if owners:  # an option of another model: say which, and how to get it
             return (f"config key '{key}' belongs to model.name={' or '.join(owners)}, not "
                     f"model.name={name}; fix: remove {key}, or set model.name={owners[0]}")
-        choices = valid_keys(_MODELS[name], "model.")
+        close = _closest_key(_typed(key, value), valid_keys(_MODELS[name], "model."))
+        other = _closest_of_other_models(option, name)
+        if other is not None and (close is None or _likeness(option, other[0]) >
+                                  _likeness(option, close.removeprefix("model."))):
+            return (f"unknown config key '{key}'; fix: remove it (did you mean "
+                    f"'model.{other[0]}', an option of model.name={other[1]}?)")
     else:
-        choices = valid_keys()
-    close = difflib.get_close_matches(key, [k for k in choices if k != key], n=1, cutoff=0.6)
-    hint = f"did you mean '{close[0]}'?" if close else "see `dtlab config --keys` for valid keys"
+        close = _closest_key(_typed(key, value), valid_keys())
+    hint = f"did you mean '{close}'?" if close else "see `dtlab config --keys` for valid keys"
     return f"unknown config key '{key}'; fix: remove it ({hint})"
+
+
+def _likeness(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
+
+
+def _closest_of_other_models(option: str, name: str) -> tuple[str, str] | None:
+    """(option, model) of another model that `option` most looks like (model.n_lyer under
+    the default cnn: gpt's n_layer), or None."""
+    found = [(_likeness(option, o), o, n) for n, m in _MODELS.items() if n != name
+             for o in m.model_fields if o != "name"]
+    best = max(found, default=(0.0, "", ""))
+    return (best[1], best[2]) if best[0] >= 0.75 else None
+
+
+def _expected(msgs: list[str]) -> str:
+    """pydantic's messages for the members of one union, as one: "Input should be a valid
+    boolean or 'auto'"."""
+    wanted = [m.removeprefix("Input should be ").split(", unable to")[0] for m in msgs]
+    if all(m.startswith("Input should be ") for m in msgs):
+        return "Input should be " + " or ".join(dict.fromkeys(wanted))
+    return msgs[0]
 
 
 def format_validation_error(e: ValidationError, overrides: bool = True) -> str:
@@ -225,14 +301,17 @@ def format_validation_error(e: ValidationError, overrides: bool = True) -> str:
     errors = e.errors()
     err = errors[0]
     key = _dotted(err["loc"])
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    same = [x for x in errors if _dotted(x["loc"]) == key]  # a union's members: one problem
+    others = len({_dotted(x["loc"]) for x in errors} - {key})
+    more = f" (and {others} more problem(s))" if others else ""
     if err["type"] == "extra_forbidden":
-        return _unknown_key(key, err["loc"]) + more
+        return _unknown_key(key, err["loc"], err.get("input")) + more
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "value_error":  # our own checks already name keys and fixes
         return msg + more
     if err["type"] == "union_tag_invalid":
         return f"{key}.name: {msg}; fix: use one of {', '.join(_MODELS)}{more}"
+    msg = _expected([x["msg"] for x in same])
     got = err.get("input")
     shown = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
     where = f"in the file or as {key}=..." if overrides else "in the file"

@@ -88,6 +88,12 @@ class HFOptions(Section):
     config: dict[str, Any] | None = None
     dtype: Literal["fp32", "bf16"] = "fp32"  # the parameters' dtype (bf16: pure bf16 training)
 
+    @field_validator("path")
+    @classmethod
+    def _home(cls, value: str | None) -> str | None:
+        """~/models/x as a shell would read it (a quoted or YAML path reaches here unexpanded)."""
+        return str(Path(value).expanduser()) if value and value.startswith("~") else value
+
 
 class HFConfig(Section):
     """A causal LM of Hugging Face transformers (the `hf` extra); its decoder layers are the

@@ -54,9 +54,63 @@ def read_dumps(run_dir: Path) -> dict[int, dict[str, Any]]:
             raise DtlabError(f"cannot read the flight-recorder dump '{path}' ({e}); fix: move it "
                              "out of the folder (a dump is plain data; one cut short by a kill, or "
                              "holding anything else, is not read)") from None
-        if isinstance(dump, dict) and "entries" in dump:
-            dumps[int(m.group(1))] = dump
+        if path.suffix != ".json" and isinstance(dump, dict) and "entries" not in dump:
+            continue  # NCCL's watchdog leaves out the entries of an empty buffer
+        problem = dump_problem(dump)
+        if problem:
+            raise DtlabError(f"'{path}' is not a flight-recorder dump ({problem}); fix: move it "
+                             f"out of {folder} (a dump, written when a distributed run fails or "
+                             "is stopped, is an object with version, pg_config and entries)")
+        dumps[int(m.group(1))] = dump
     return dumps
+
+
+# What this module reads of an entry, and the types it must have.
+ENTRY = {"collective_seq_id": int, "process_group": (list, tuple), "profiling_name": str}
+OPTIONAL = {"input_sizes": list, "input_dtypes": list, "time_created_ns": (int, float),
+            "is_p2p": bool}
+HEAD = {"time": str, "reason": str, "world_size": int}
+
+
+def dump_problem(dump: Any) -> str | None:
+    """What is wrong with the shape of a dump (parsed JSON or pickle), None when nothing is."""
+    if not isinstance(dump, dict):
+        return f"a {type(dump).__name__}, not an object"
+    missing = [k for k in ("version", "pg_config", "entries") if k not in dump]
+    if missing:
+        return f"no {', '.join(missing)}"
+    if not isinstance(dump["entries"], list) or not isinstance(dump["pg_config"], dict):
+        return "entries must be a list and pg_config an object"
+    if not all(isinstance(g, dict) and all(isinstance(g.get(k, ""), str) for k in ("ranks", "desc"))
+               for g in dump["pg_config"].values()):
+        return "pg_config must map each group to an object with its ranks and desc as text"
+    for i, entry in enumerate(dump["entries"]):
+        if not isinstance(entry, dict):
+            return f"entry {i} is a {type(entry).__name__}, not an object"
+        for key, kind in ENTRY.items():
+            if not isinstance(entry.get(key), kind) or isinstance(entry.get(key), bool):
+                return f"entry {i} has no {key} of type {_name(kind)}"
+        for key, kind in OPTIONAL.items():
+            if entry.get(key) is not None and not isinstance(entry[key], kind):
+                return f"entry {i}: {key} is not of type {_name(kind)}"
+        if not entry["process_group"] or not isinstance(entry["process_group"][0], str):
+            return f"entry {i}: process_group must start with the group's name"
+    head = dump.get("dtlab")
+    if head is not None:
+        if not isinstance(head, dict):
+            return "its dtlab header is not an object"
+        for key, kind in HEAD.items():
+            if not isinstance(head.get(key), kind):
+                return f"its dtlab header has no {key} of type {_name(kind)}"
+        try:
+            datetime.datetime.fromisoformat(head["time"])
+        except ValueError:
+            return f"its dtlab header's time {head['time']!r} is not an ISO time"
+    return None
+
+
+def _name(kind: type | tuple[type, ...]) -> str:
+    return "/".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
 
 
 def describe(entry: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from dtlab.errors import ConfigError
+from dtlab.models import hf_check
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # transformers' scaled-dot-product attention under a name that has no mask function: dtlab's
@@ -61,36 +62,50 @@ def _check_fields(cfg: Any, fields: dict[str, Any]) -> None:
                               f"fix: remove it ({hint})")
 
 
-def _strict(make: Any) -> Any:
+def _strict(make: Any, where: str) -> Any:
     """A config from `make()`; a field of the wrong type (transformers' configs are strict
-    dataclasses) is one line."""
-    from huggingface_hub.errors import StrictDataclassFieldValidationError
+    dataclasses), or fields that contradict each other (heads that do not divide the width), is
+    one line naming `where` the fields came from (model.hf.config, or a directory's config.json)."""
+    from huggingface_hub.errors import (
+        StrictDataclassClassValidationError,
+        StrictDataclassFieldValidationError,
+    )
 
     try:
         return make()
     except StrictDataclassFieldValidationError as e:  # "...field 'x':\n  TypeError: why (value: v)"
         found = re.search(r"field '(\w+)':\s*\w+: (.*) \(value: (.*)\)$", str(e), re.S)
         field, why, value = found.groups() if found else ("?", str(e).splitlines()[-1], "?")
-        raise ConfigError(f"model.hf.config.{field}={value.strip(chr(39))}: {why}; fix: give it "
-                          "a value of that type") from None
+        name = f"{where}.{field}" if where == "model.hf.config" else f"{where} field {field}"
+        raise ConfigError(f"{name}={value.strip(chr(39))}: {why}; fix: give it a value of that "
+                          "type") from None
+    except StrictDataclassClassValidationError as e:  # "...:\n    ValueError: why"
+        why = str(e).strip().splitlines()[-1].split(": ", 1)[-1].rstrip(".")
+        raise ConfigError(f"{where}: {why}; fix: change those fields so that they agree") from None
 
 
 def hf_config(m: Any) -> Any:
     """The transformers config of an HFConfig (dtlab.config.HFConfig), loaded once per process:
     the directory's config.json and/or the fields of model.hf.config."""
     key = json.dumps([m.hf.path, m.hf.config], sort_keys=True, default=str)
-    if key in _CONFIGS:
-        return _CONFIGS[key]
+    if key not in _CONFIGS:
+        _CONFIGS[key] = _load_config(m, dict(m.hf.config or {}))
+    return _CONFIGS[key]
+
+
+def _load_config(m: Any, fields: dict[str, Any]) -> Any:
     t = require_transformers()
-    fields = dict(m.hf.config or {})
     path = m.hf.path
     if path is not None:
-        fields.pop("model_type", None)  # the directory's config.json names it
+        model_type = fields.pop("model_type", None)  # the directory's config.json names it
         if Path(path).exists() and not Path(path).is_dir():
             raise ConfigError(f"model.hf.path '{path}' is a file; fix: give the directory that "
                               "holds config.json and the weights")
+        if Path(path).is_dir():
+            hf_check.check_file_type(path, t.CONFIG_MAPPING)
         try:
-            cfg = _strict(lambda: t.AutoConfig.from_pretrained(path, **fields))
+            cfg = _strict(lambda: t.AutoConfig.from_pretrained(path, **fields),
+                          f"model.hf.path '{path}' (config.json{' + model.hf.config' * bool(fields)})")
         except (OSError, ValueError) as e:
             local = Path(path).is_dir() or path.startswith((".", "/", "~"))
             why = ("has no readable config.json" if local else
@@ -98,14 +113,18 @@ def hf_config(m: Any) -> Any:
             raise ConfigError(f"model.hf.path '{path}' {why} ({str(e).splitlines()[0][:120]}); "
                               "fix: point it at a model directory (config.json + *.safetensors), "
                               "e.g. one written by `dtlab export --format hf`") from None
+        if model_type not in (None, cfg.model_type):
+            raise ConfigError(f"model.hf.config.model_type={model_type}, but model.hf.path "
+                              f"'{path}' holds a {cfg.model_type} model (its config.json); fix: "
+                              "remove model.hf.config.model_type: the directory names the type")
+        hf_check.check_file_fields(cfg, path)
     else:
         model_type = fields.pop("model_type")
         if model_type not in t.CONFIG_MAPPING:
             raise ConfigError(f"model.hf.config.model_type={model_type} is not a model type "
                               "transformers knows; fix: e.g. llama, gpt2, qwen2, mistral")
-        cfg = _strict(lambda: t.AutoConfig.for_model(model_type, **fields))
+        cfg = _strict(lambda: t.AutoConfig.for_model(model_type, **fields), "model.hf.config")
     _check_fields(cfg, fields)
-    _CONFIGS[key] = cfg
     return cfg
 
 
@@ -113,18 +132,27 @@ def max_positions(config: Any) -> int | None:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
-def check(m: Any) -> None:
-    """Before any rank starts: the config loads, the model is a causal LM, and the sequence fits
-    its positions."""
+def check(m: Any, thorough: bool = True) -> None:
+    """Before any rank starts: the config loads with sizes that fit together, the model is a
+    causal LM, the sequence fits its positions, and (`thorough`) it builds on the meta device and
+    model.hf.path's weights fit it (dtlab/models/hf_check.py)."""
     config = hf_config(m)
     t = require_transformers()
     if type(config) not in t.AutoModelForCausalLM._model_mapping:
         raise ConfigError(f"model.hf: {type(config).__name__} has no causal-LM head in "
                           "transformers; fix: use a decoder-only model (Llama, GPT-2, Qwen, ...)")
+    hf_check.check_causal(m, config)
+    hf_check.check_sizes(m, config)
+    hf_check.check_activations(m, config, t)
+    hf_check.check_kinds(m, config)
     limit = max_positions(config)
     if limit is not None and m.block_size > limit:
         raise ConfigError(f"model.block_size={m.block_size} exceeds the model's {limit} "
                           f"positions; fix: set model.block_size to at most {limit}")
+    if thorough:
+        hf_check.check_builds(m, config, t, ATTENTION)
+        if m.hf.path is not None:
+            hf_check.check_weights(m, config, t, lambda fields: _load_config(m, fields))
 
 
 class HFCausalLM(nn.Module):
@@ -155,12 +183,19 @@ def build(m: Any) -> HFCausalLM:
     """The model of an HFConfig: its weights from `path`, or initialised from the current seed;
     shapes only under torch.device("meta")."""
     t = require_transformers()
-    check(m)
+    check(m, thorough=False)  # the launcher did the rest (check_model)
     config, dtype = hf_config(m), DTYPES[m.hf.dtype]
     on_meta = torch.empty(0).device.type == "meta"
     if m.hf.path is not None and not on_meta:
-        lm = t.AutoModelForCausalLM.from_pretrained(m.hf.path, config=config, dtype=dtype,
-                                                    attn_implementation=ATTENTION)
+        from safetensors import SafetensorError
+
+        try:  # the files changed since the launcher checked them (check_model)
+            lm = t.AutoModelForCausalLM.from_pretrained(m.hf.path, config=config, dtype=dtype,
+                                                        attn_implementation=ATTENTION)
+        except (OSError, SafetensorError, RuntimeError) as e:
+            raise ConfigError(f"model.hf.path '{m.hf.path}': its weights cannot be loaded "
+                              f"({str(e).splitlines()[0][:120]}); fix: point it at a complete "
+                              "model directory (config.json + *.safetensors)") from None
     else:
         lm = t.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
     lm.train()  # from_pretrained returns it in eval mode (dropout off)

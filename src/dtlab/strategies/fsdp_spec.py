@@ -25,7 +25,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"train.compile={cfg.train.compile} with strategy {cfg.strategy.name} fails on "
             "BatchNorm models in this torch release; fix: set train.compile=none, or use "
-            "strategy ddp/fsdp1"
+            "strategy ddp"
         )
 
 
