@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.cli_args import integer, number
+from dtlab.config.strategies import registry
 from dtlab.errors import DtlabError
 from dtlab.estimate.memory import PRECISIONS
-from dtlab.strategies import registry
 
 GB = 1e9
 DEFAULT_STRATEGIES = "ddp,zero1,zero2,zero3,zero3+offload"
@@ -163,7 +163,7 @@ def build_setup(args: argparse.Namespace, world: int) -> Any:
 
 def config_checkpointing(model: Any) -> bool | tuple[int, ...]:
     """The blocks a config's train.activation_checkpointing recomputes (full: all)."""
-    from dtlab.activation_checkpoint import chosen_blocks
+    from dtlab.levers.activation_checkpoint import chosen_blocks
 
     t = model.cfg.train
     if t.activation_checkpointing != "selective" or model.segments is None:

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dtlab.config import Config
+from dtlab.config.strategies import registry
 from dtlab.estimate import activations, comm, memory
 from dtlab.estimate.measure import NotMeasured, RankBytes, measure, meta_model
 from dtlab.estimate.memory import OPTIMIZER_BYTES, PRECISIONS, Kind, Plan, Precision
 from dtlab.models import count_params
-from dtlab.strategies import registry
 
 MEASURED, IDEAL = "measured (fake backend)", "modelled (ideal layout)"  # sources of state bytes
 
@@ -136,7 +136,7 @@ def activation_mode(precision: Precision, wrapper_casts: bool) -> str:
 def strategy_config(setup: Setup, token: str) -> Config | None:
     """The config of a dtlab strategy spec (fsdp1:SHARD_GRAD_OP...) on the setup's model; None
     for the ideal layouts (zero2, hybrid:4...) or a model given by its parameter count."""
-    from dtlab.compare import parse_spec
+    from dtlab.cli.compare import parse_spec
     from dtlab.config import load_config
     from dtlab.errors import ConfigError
 

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dtlab.config.strategies.spec import Config
 from dtlab.errors import ConfigError
-from dtlab.strategies.spec import Config
 
 DEFAULT_STAGE = 2
 # strategy.deepspeed.<option> -> zero_optimization.<key>, for the options that map one to one.

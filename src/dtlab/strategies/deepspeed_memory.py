@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
+from dtlab.config.strategies.spec import Config
 from dtlab.errors import DtlabError
-from dtlab.strategies.spec import Config
 
 MASTER = {"single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_partitioned_groups"}
 GRADS = {"averaged_gradients", "all_grad_tensors", "grads_in_partition", "grad_partitions_flat_buffer",
