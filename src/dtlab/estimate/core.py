@@ -136,8 +136,8 @@ def activation_mode(precision: Precision, wrapper_casts: bool) -> str:
 def strategy_config(setup: Setup, token: str) -> Config | None:
     """The config of a dtlab strategy spec (fsdp1:SHARD_GRAD_OP...) on the setup's model; None
     for the ideal layouts (zero2, hybrid:4...) or a model given by its parameter count."""
-    from dtlab.cli.compare import parse_spec
     from dtlab.config import load_config
+    from dtlab.config.strategies.registry import parse as parse_spec
     from dtlab.errors import ConfigError
 
     try:

@@ -18,12 +18,10 @@ import os
 import resource
 import statistics
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
-from torch import nn
 
 from dtlab import files
 from dtlab.errors import DtlabError, RunError
@@ -32,31 +30,6 @@ from dtlab.instruments.machine_load import mfu_line
 if TYPE_CHECKING:
     from dtlab.config import Config
     from dtlab.run.run_state import RunState, Training
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # DTensor -> this rank's shard
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        s = _local(t).untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    params = list(model.parameters())
-    opt_tensors = [
-        v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
-    ]
-    return {
-        "param_bytes": storage_bytes(params),
-        "grad_bytes": storage_bytes(p.grad for p in params if p.grad is not None),
-        "optim_bytes": storage_bytes(opt_tensors),
-    }
 
 
 def peak_memory(device: torch.device) -> dict[str, int]:

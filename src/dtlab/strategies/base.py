@@ -24,10 +24,10 @@ from torch import nn
 from dtlab.config import Config
 from dtlab.data import EvalLoader
 from dtlab.distributed import DistContext
-from dtlab.instruments.metrics import state_bytes
 from dtlab.levers.optim import build_optimizer
 from dtlab.models import loss_fn
 from dtlab.strategies import grad_norm
+from dtlab.strategies.state_bytes import state_bytes
 
 # Called on each micro batch's loss: returns (the loss to report, the tensor to backpropagate),
 # after dividing by the accumulation steps, injecting test faults and scaling for fp16.

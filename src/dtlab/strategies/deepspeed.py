@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtlab.config.strategies.deepspeed_config import deepspeed_config
 from dtlab.errors import ConfigError
 from dtlab.levers.optim import build_optimizer
 from dtlab.models import loss_fn
 from dtlab.strategies import deepspeed_checkpoint as ds_checkpoint
 from dtlab.strategies.base import DTYPES, LossHook, StepEngine, Strategy
-from dtlab.strategies.deepspeed_config import deepspeed_config
 from dtlab.strategies.deepspeed_memory import held_bytes
 
 

@@ -146,7 +146,7 @@ class ZeroOptions:
 
 def zero_options(cfg: Config, world: int, device: str = "cpu") -> ZeroOptions:
     """The options a run of `cfg` gives DeepSpeed (dtlab's own config mapping, JSON included)."""
-    from dtlab.strategies.deepspeed_config import deepspeed_config
+    from dtlab.config.strategies.deepspeed_config import deepspeed_config
 
     ds = deepspeed_config(cfg, world, device)
     zero = ds["zero_optimization"]

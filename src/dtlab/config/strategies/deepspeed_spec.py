@@ -30,8 +30,8 @@ class DeepSpeedOptions(Section):
 
 
 def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
+    from dtlab.config.strategies.deepspeed_config import deepspeed_config
     from dtlab.config.world import device_type, micro_batch
-    from dtlab.strategies.deepspeed_config import deepspeed_config
 
     micro_batch(cfg, world_size)  # a batch that does not split is the first thing to say
     t = cfg.train
@@ -47,7 +47,7 @@ def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
 
 
 def layout(cfg: Config) -> str:
-    from dtlab.strategies.deepspeed_config import zero_stage
+    from dtlab.config.strategies.deepspeed_config import zero_stage
 
     return f"zero{zero_stage(cfg)}"
 
