@@ -33,7 +33,7 @@ from dtlab.process.launcher_guard import launcher_env
 
 MiB = 1024 * 1024
 DEFAULT_NPROC = 2  # ranks of a multi-process strategy without a mesh shape
-RESUME_HINT_ENV = "DTLAB_RESUME_HINT"  # run_stop.py's (not imported: it imports torch)
+RESUME_HINT_ENV = "DTLAB_RESUME_HINT"  # run/stop.py's (not imported: it imports torch)
 
 
 def run_label(spec: str) -> str:
@@ -218,7 +218,7 @@ def verify_numerics(args: argparse.Namespace) -> list[str]:
 
 
 def compare(args: argparse.Namespace) -> int:
-    # A stopped run's line says what running compare again does: it never resumes (run_stop.py).
+    # A stopped run's line says what running compare again does: it never resumes (run/stop.py).
     before = os.environ.get(RESUME_HINT_ENV)
     os.environ[RESUME_HINT_ENV] = "compare does not resume: run again, it trains every strategy anew"
     try:

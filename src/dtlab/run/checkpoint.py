@@ -4,7 +4,7 @@ Layout: RUN_DIR/checkpoints/step_000120/ holds torch.distributed.checkpoint (DCP
 model and optimizer tensors (each rank writes its own shards; get_state_dict/set_state_dict make
 single, DDP, FSDP2 and FSDP1 read and write the same format, so a checkpoint loads on any world
 size and strategy), one `rng_rank<r>.json` per rank, and `dtlab-checkpoint.json`, the manifest:
-step, config, the run that wrote it (id and config fingerprint: run_owner.py), data-order
+step, config, the run that wrote it (id and config fingerprint: run/owner.py), data-order
 parameters, scheduler and scaler state, optimizer hyper-parameters, and the size and sha256 of
 every file.
 
