@@ -21,6 +21,8 @@ from dtlab.estimate.memory import PRECISIONS
 from dtlab.strategies import registry
 
 GB = 1e9
+MAX_PARAMS = 1e15  # a thousand times the largest models trained; beyond it the arithmetic is moot
+MAX_LAYERS = 100_000  # the estimate walks each block: more would take minutes, not milliseconds
 DEFAULT_STRATEGIES = "ddp,zero1,zero2,zero3,zero3+offload"
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
 
@@ -33,14 +35,15 @@ def count(text: str) -> float:
         value = float(t[:-1] if scale != 1.0 else t) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not a count such as 7e9, 7B or 125M{fix}") from None
-    if not math.isfinite(value) or value < 1:
-        why = "must be at least 1" if math.isfinite(value) else "is not a finite count"
+    if not math.isfinite(value) or not 1 <= value <= MAX_PARAMS:
+        why = ("is not a finite count" if not math.isfinite(value) else "must be at least 1"
+               if value < 1 else f"is more than {MAX_PARAMS:.0e}, the most this estimate takes")
         raise argparse.ArgumentTypeError(f"'{text}' {why}{fix}")
     return value
 
 
-def positive(example: str, kind: type = float) -> Any:
-    return integer(1, example) if kind is int else number(0, example, inclusive=False)
+def positive(example: str, kind: type = float, maximum: int | None = None) -> Any:
+    return integer(1, example, maximum) if kind is int else number(0, example, inclusive=False)
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -50,6 +53,22 @@ def validate(args: argparse.Namespace) -> None:
                          f"--strategies {DEFAULT_STRATEGIES}")
     if args.comm_results and args.bandwidth:
         raise DtlabError("--comm-results and --bandwidth both set a link speed; fix: give one")
+    tokens = [t.strip() for t in (getattr(args, "strategies", None) or "").split(",") if t.strip()]
+    twice = next((t for i, t in enumerate(tokens) if t in tokens[:i]), None)
+    if twice:
+        raise DtlabError(f"--strategies '{args.strategies}' has '{twice}' twice; fix: list each "
+                         "strategy once, separated by commas")
+    if getattr(args, "gpu_memory", None) is not None and args.reserve >= args.gpu_memory:
+        raise DtlabError(f"--reserve {args.reserve:g} GB leaves nothing of --gpu-memory "
+                         f"{args.gpu_memory:g} GB; fix: a reserve below the memory per GPU, "
+                         "e.g. --reserve 2")
+    world = getattr(args, "world_size", None) or getattr(args, "gpus", None)
+    per_node = args.ranks_per_node
+    if per_node and world > per_node and world % per_node:
+        flag = "--world-size" if getattr(args, "world_size", None) else "--gpus"
+        raise DtlabError(f"{flag} {world} is not a whole number of nodes of --ranks-per-node "
+                         f"{per_node}; fix: a multiple of {per_node}, e.g. {flag} "
+                         f"{world - world % per_node or per_node}")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,7 +88,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                                     "own)"),
         ("--ranks-per-node", "N", int, "ranks (GPUs) per node (default: min(8, world size))")):
         g.add_argument(flag, metavar=metavar, help=text, type=kind if kind in (str, count) else
-                       positive(f"{flag} 8", kind))
+                       positive(f"{flag} 8", kind, MAX_LAYERS if flag == "--n-layer" else None))
     g.add_argument("--optimizer", choices=OPTIMIZERS, metavar="NAME",
                    help=f"one of {', '.join(OPTIMIZERS)} (default: adamw; --config: its own)")
     g.add_argument("--precision", choices=tuple(PRECISIONS), metavar="NAME",
