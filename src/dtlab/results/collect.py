@@ -8,6 +8,7 @@ contribute one row each from their `[METRIC] key=value` lines, later values winn
 from __future__ import annotations
 
 import csv
+import io
 import json
 import re
 from pathlib import Path
@@ -144,13 +145,14 @@ def collect(*roots: Path) -> list[dict[str, Any]]:
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
+    from dtlab.results.outputs import write_output
+
     extra = sorted({k for r in rows for k in r} - set(COLUMNS))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS + extra, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=COLUMNS + extra, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return write_output(path, text.getvalue(), "csv")
 
 
 def read_csv(path: Path) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.results.findings import findings
+from dtlab.results.outputs import write_output
 
 MiB = 1024 * 1024
 STYLE = """
@@ -83,7 +84,4 @@ def write_report(root: Path, out: Path, rows: list[dict[str, Any]],
         parts += [f"<li>{html.escape(s['label'])}: {html.escape(s['invalid'])}</li>" for s in skipped]
         parts.append("</ul>")
     parts.append("</body></html>\n")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(parts))
-    return out
+    return write_output(Path(out), "\n".join(parts), "report")
