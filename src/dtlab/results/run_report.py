@@ -19,7 +19,7 @@ from urllib.parse import quote
 import yaml
 
 from dtlab.results import run_plots
-from dtlab.results.collect import read_json
+from dtlab.results.collect import check_shape, read_json
 from dtlab.results.outputs import check_replaceable, write_output
 from dtlab.results.plot import _pyplot
 from dtlab.results.run_html import RUN_STYLE, MiB, esc, figure, fmt, missing, pairs, table
@@ -237,7 +237,8 @@ def write_run_report(run_dir: Path, out: Path | None = None) -> Path:
     out = Path(out) if out else run_dir / "report.html"
     _pyplot()  # refuses in one line, before anything is read or written, without matplotlib
     check_replaceable(out, "report")
-    s, rec = read_json(run_dir / "summary.json"), read_json(run_dir / "run.json")
+    s = check_shape(run_dir / "summary.json", read_json(run_dir / "summary.json"))
+    rec = check_shape(run_dir / "run.json", read_json(run_dir / "run.json"))
     if not rec.get("status"):
         rec = {**rec, **stopped_ranks(run_dir)}
     train, val, bad = read_metrics(run_dir / "metrics.jsonl")
