@@ -119,15 +119,20 @@ def load_comm_results(path: Path) -> Links:
         rows: Any = json.loads(text) if path.suffix != ".csv" else [
             {"op": r["op"], "world_size": int(r["world_size"]), "size_bytes": float(r["size_bytes"]),
              "time_us": float(r["time_us"])} for r in csv.DictReader(text.splitlines())]
-        if not isinstance(rows, list):
+        if not isinstance(rows, list) or any(  # the fit divides by a measurement's ranks - 1
+                isinstance(r, dict) and "time_us" in r and not (
+                    isinstance(r.get("world_size"), int) and r["world_size"] >= 2) for r in rows):
             raise ValueError
         fitted = fit(rows)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, ArithmeticError):
         raise DtlabError(f"--comm-results '{path}' is not a dtlab comm --json/--csv file; fix: "
                          "pass what dtlab comm --json FILE or --csv FILE wrote") from None
     if not fitted:
         raise DtlabError(f"--comm-results '{path}' has no collective measured at two sizes or "
                          "more; fix: run dtlab comm with --min-bytes below --max-bytes")
+    if "all_reduce" not in fitted:  # what every op without its own fit is predicted from
+        raise DtlabError(f"--comm-results '{path}' has no all_reduce measured ({', '.join(fitted)} "
+                         "only); fix: measure with dtlab comm --op all --json FILE")
     ops = ", ".join(f"{op} ({m['world_size']} ranks)" for op, m in fitted.items())
     return Links(fitted=fitted, source=f"alpha-beta fit of {path}: {ops}")
 
