@@ -79,8 +79,8 @@ def row_from_run(run_dir: Path, root: Path) -> dict[str, Any]:
     s = check_shape(run_dir / "summary.json", read_json(run_dir / "summary.json"))
     rec = check_shape(run_dir / "run.json", read_json(run_dir / "run.json"))
     mem = s.get("memory_per_rank", {})
-    state = [sum(v) for v in zip(*(mem.get(k, []) for k in ("param_bytes", "grad_bytes", "optim_bytes")),
-                                 strict=True)]
+    parts = [mem.get(k) or [] for k in ("param_bytes", "grad_bytes", "optim_bytes")]
+    state = [sum(v) for v in zip(*parts, strict=True)] if len(set(map(len, parts))) == 1 else []
     row: dict[str, Any] = {k: s.get(k) for k in COLUMNS if k in s}
     peak = mem.get("peak_allocated_bytes") or mem.get("peak_rss_bytes") or []
     row.update(
