@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from dtlab import faults
 from dtlab.comm.breakdown import quiet_stderr
 from dtlab.config import Config, ConfigError, ProfileConfig
 from dtlab.distributed import DistContext
@@ -230,6 +231,7 @@ def windows(cfg: Config, run_dir: Path, ctx: DistContext, total: int,
     """The profiler window and the memory snapshot of this run, checked against its steps. On CPU
     a memory snapshot is the profiler's memory timeline over the same steps."""
     profile_cfg, snap = cfg.run.profile, cfg.run.memory_snapshot
+    faults.check(cfg.run.fault, ctx.world_size, total)  # the other window a run is checked for
     check_window("run.profile", profile_cfg.start, profile_cfg.steps, total)
     check_window("run.memory_snapshot", snap.start, snap.steps, total)
     if snap.steps and ctx.device.type != "cuda" and not profile_cfg.steps:

@@ -16,6 +16,7 @@ if __name__ == "__main__":
     exit_on_signals()
 
 import argparse
+import contextlib
 import sys
 import time
 from itertools import islice
@@ -123,6 +124,18 @@ def total_steps(cfg: Config, loader: TrainLoader) -> int:
 def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     run_dir = cfg.run.run_dir
     watch = DirectoryWatch(run_dir)  # what is written after a failure goes only where it belongs
+    fresh = not run_dir.exists()
+    try:
+        return _train_and_record(cfg, ctx, run_dir, watch)
+    except BaseException:
+        if ctx.is_main and fresh and watch.intact():  # failed in set-up: no empty run.dir left
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
+        raise
+
+
+def _train_and_record(cfg: Config, ctx: DistContext, run_dir: Path,
+                      watch: DirectoryWatch) -> dict[str, Any]:
     try:
         summary = _train(cfg, ctx, run_dir, watch)
     except Interrupted as e:
