@@ -16,6 +16,7 @@ if __name__ == "__main__":
     exit_on_signals()
 
 import argparse
+import contextlib
 import sys
 import time
 from itertools import islice
@@ -55,7 +56,7 @@ from dtlab.process import interrupt
 from dtlab.process.interrupt import Interrupted
 from dtlab.run import checkpoint, state
 from dtlab.run import owner as run_owner
-from dtlab.run.faults import Fault
+from dtlab.run.faults import Fault, check_fault
 from dtlab.run.owner import DirectoryWatch, PeerSawRunDirGone, RunDirGone
 from dtlab.run.run_state import RunState, Training
 from dtlab.run.step import Stepper
@@ -118,6 +119,18 @@ def total_steps(cfg: Config, loader: TrainLoader) -> int:
 def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     run_dir = cfg.run.run_dir
     watch = DirectoryWatch(run_dir)  # what is written after a failure goes only where it belongs
+    fresh = not run_dir.exists()
+    try:
+        return _train_and_record(cfg, ctx, run_dir, watch)
+    except BaseException:
+        if ctx.is_main and fresh and watch.intact():  # failed in set-up: no empty run.dir left
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
+        raise
+
+
+def _train_and_record(cfg: Config, ctx: DistContext, run_dir: Path,
+                      watch: DirectoryWatch) -> dict[str, Any]:
     try:
         summary = _train(cfg, ctx, run_dir, watch)
     except Interrupted as e:
@@ -158,6 +171,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
         run.step, run.resumed_from = run.start, path
         tr.stepper.step_number = run.start
     run_owner.begin(run, ctx, cfg, path, watch)
+    check_fault(cfg.run.fault, ctx.world_size, run.total_steps)  # one that can fire
     profiler, snapshot = windows(cfg, run_dir, ctx, run.total_steps, run.start)
     log = MetricsLog(run_dir, ctx.is_main, run.total_steps, cfg.run.progress, cfg.run.tensorboard,
                      resume_step=run.start if path is not None else None)

@@ -19,8 +19,25 @@ from dtlab.config.schema import CNNConfig, Config, GPTConfig, HFConfig, ResNetCo
 from dtlab.errors import ConfigError
 
 
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    pass
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-3` as a float (PyYAML follows YAML 1.1 and reads a string)."""
+    """SafeLoader that also reads `1e-3` as a float (PyYAML follows YAML 1.1 and reads a string)
+    and refuses a key written twice in one mapping (PyYAML keeps the last one without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise _DuplicateKey(None, None, f"key '{key}' is written twice, here and at "
+                                    f"line {seen[key].line + 1}", key_node.start_mark)
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -66,8 +83,11 @@ def read_yaml(path: str | Path, what: str = "config file",
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}" if where else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{what} '{p}' is not valid YAML{line} ({problem}); fix: correct the "
-                          "syntax there (plain YAML: no tags, one document)") from None
+        fix_yaml = ("write the key once, with everything it should hold" if
+                    isinstance(e, _DuplicateKey) else
+                    "correct the syntax there (plain YAML: no tags, one document)")
+        raise ConfigError(f"{what} '{p}' is not valid YAML{line} ({problem}); fix: {fix_yaml}"
+                          ) from None
     if data is None:
         raise ConfigError(f"{what} '{p}' is empty (or only comments); fix: {empty_fix}")
     if not isinstance(data, dict):

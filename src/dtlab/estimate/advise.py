@@ -57,7 +57,12 @@ def advise(make_setup: Callable[[bool], Setup], gpu_bytes: float, reserve: float
 
 def beyond_data_parallel(rows: list[dict[str, Any]], budget: float, setup: Setup) -> dict[str, Any]:
     """No data-parallel layout fits: more GPUs, or model parallelism for the activations."""
-    zero3 = next(r for r in rows if r["strategy"] == "zero3" and r["checkpointing"])
+    zero3 = next((r for r in rows if r["strategy"] == "zero3" and r["checkpointing"]), None)
+    if zero3 is None:  # one GPU: nothing to shard over, so only ddp was estimated
+        return {"strategy": None, "model_parallel": None, "gpus_needed": None,
+                "why": f"one GPU holds the whole model, its state and activations "
+                       f"({rows[0]['device_total'] / 1e9:.2f} GB); no layout shards anything "
+                       "over one GPU: give --gpus 2 or more to see the sharded layouts"}
     state = zero3["state"]
     rest = zero3["device_total"] - state  # activations and gathered units
     if state >= budget:

@@ -1,4 +1,4 @@
-"""Arguments and output of `dtlab estimate` and `dtlab advise`.
+"""What `dtlab estimate` and `dtlab advise` do and print (their arguments: arguments.py).
 
     dtlab estimate --n-params 7e9 --world-size 4 --optimizer adamw --precision fp32
     dtlab estimate --config configs/fsdp_gpt.yaml --world-size 2 --strategies ddp,fsdp,fsdp1
@@ -9,118 +9,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import textwrap
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dtlab.cli_args import integer, number
 from dtlab.config.strategies import registry
 from dtlab.errors import DtlabError
+from dtlab.estimate.arguments import (  # noqa: F401 (dtlab.cli takes the add_* from here)
+    DEFAULT_STRATEGIES,
+    GB,
+    add_advise_arguments,
+    add_estimate_arguments,
+    validate,
+)
 from dtlab.estimate.memory import PRECISIONS
-
-GB = 1e9
-DEFAULT_STRATEGIES = "ddp,zero1,zero2,zero3,zero3+offload"
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
-
-
-def count(text: str) -> float:
-    """An argparse type: `7e9`, `7B`, `125M`, `1.3b` -> a number of parameters."""
-    t, fix = text.strip().upper(), "; fix: e.g. --n-params 7e9"
-    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], 1.0)
-    try:
-        value = float(t[:-1] if scale != 1.0 else t) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a count such as 7e9, 7B or 125M{fix}") from None
-    if not math.isfinite(value) or value < 1:
-        why = "must be at least 1" if math.isfinite(value) else "is not a finite count"
-        raise argparse.ArgumentTypeError(f"'{text}' {why}{fix}")
-    return value
-
-
-def positive(example: str, kind: type = float) -> Any:
-    return integer(1, example) if kind is int else number(0, example, inclusive=False)
-
-
-def validate(args: argparse.Namespace) -> None:
-    """What argparse cannot check one option at a time."""
-    if getattr(args, "strategies", None) is not None and not args.strategies.replace(",", "").strip():
-        raise DtlabError(f"--strategies '{args.strategies}' names no strategy; fix: e.g. "
-                         f"--strategies {DEFAULT_STRATEGIES}")
-    for token in (getattr(args, "strategies", None) or "").split(","):  # @DPxMP: its own ranks
-        wrong = token.strip() and registry.mesh_mismatch(token.strip(), args.world_size,
-                                                          "--world-size")
-        if wrong:
-            raise DtlabError(wrong)
-    if args.comm_results and args.bandwidth:
-        raise DtlabError("--comm-results and --bandwidth both set a link speed; fix: give one")
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model (a dtlab config, or a parameter count)")
-    for flag, metavar, kind, text in (
-        ("--config", "FILE", str, "dtlab YAML config whose model, optimizer, precision and batch "
-                                  "are estimated (default: none; give this or --n-params)"),
-        ("--n-params", "N", count, "parameter count of a GPT-like model, e.g. 7e9 or 7B "
-                                   "(default: none; give this or --config)"),
-        ("--n-layer", "N", int, "transformer layers, with --n-params (default: by the hidden = "
-                                "128 x layers rule)"),
-        ("--hidden", "N", int, "hidden size, with --n-params (default: 128 x layers)"),
-        ("--n-head", "N", int, "attention heads, with --n-params (default: hidden / 128)"),
-        ("--seq-len", "TOKENS", int, "sequence length in tokens, with --n-params; activations "
-                                     "are estimated when given (default: none, state only)"),
-        ("--micro-batch", "N", int, "samples per rank per micro step (default: 1; --config: its "
-                                    "own)"),
-        ("--ranks-per-node", "N", int, "ranks (GPUs) per node (default: min(8, world size))")):
-        g.add_argument(flag, metavar=metavar, help=text, type=kind if kind in (str, count) else
-                       positive(f"{flag} 8", kind))
-    g.add_argument("--optimizer", choices=OPTIMIZERS, metavar="NAME",
-                   help=f"one of {', '.join(OPTIMIZERS)} (default: adamw; --config: its own)")
-    g.add_argument("--precision", choices=tuple(PRECISIONS), metavar="NAME",
-                   help="fp32; bf16/fp16: 16-bit weights and gradients with fp32 master weights; "
-                        "*-autocast: fp32 state, 16-bit compute (default: fp32; --config: its own)")
-    g.add_argument("--vocab", default=32000, type=positive("--vocab 32000", int), metavar="TOKENS",
-                   help="vocabulary size in tokens, with --n-params")
-    g.add_argument("--checkpointing", action="store_true",
-                   help="activation checkpointing of every block (the totals use it; "
-                        "--config: also its train.activation_checkpointing)")
-    c = p.add_argument_group("communication time (optional)")
-    for flag, text in (
-        ("--bandwidth", "per-link bandwidth inside a node in GB/s, used everywhere without "
-                        "--inter-node-bandwidth (default: none, no times)"),
-        ("--inter-node-bandwidth", "per-link bandwidth between nodes in GB/s (default: "
-                                   "--bandwidth)")):
-        c.add_argument(flag, metavar="GB/s", type=positive(f"{flag} 100"), help=text)
-    c.add_argument("--comm-results", metavar="FILE", help="a dtlab comm --json/--csv file: times "
-                   "from its alpha-beta fit (default: none)")
-    c.add_argument("--backend", choices=("nccl", "gloo"), help="nccl or gloo (gloo's "
-                   "reduce-scatter is an all-reduce) (default: nccl; --config: what its run would use)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="with --config: dotted config overrides (default: none)")
-
-
-def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p)
-    p.add_argument("--world-size", default=8, type=positive("--world-size 8", int), metavar="N",
-                   help="ranks (GPUs) in total")
-    p.add_argument("--strategies", metavar="LIST",
-                   help=f"comma list (default: {DEFAULT_STRATEGIES}): ddp, zero1, "
-                   "zero2, zero3, hybrid:S, with +offload; with --config also dtlab's strategies "
-                   "(fsdp, fsdp1:SHARD_GRAD_OP, tp...): measured under torch's fake backend")
-
-
-def add_advise_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p)
-    p.add_argument("--gpus", type=positive("--gpus 8", int), metavar="N", required=True,
-                   help="GPUs in total (required, no default)")
-    p.add_argument("--gpu-memory", type=positive("--gpu-memory 80"), metavar="GB", required=True,
-                   help="memory per GPU in GB (required, no default)")
-    p.add_argument("--host-memory", type=positive("--host-memory 2000"), metavar="GB",
-                   help="host memory per node in GB, for offloading (default: not checked)")
-    p.add_argument("--reserve", default=0.0, type=number(0, "--reserve 2"), metavar="GB",
-                   help="memory per GPU to keep free in GB: CUDA context, allocator (default: 0)")
 
 
 # ------------------------------------------------------------------------------ building a setup

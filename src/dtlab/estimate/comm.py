@@ -43,10 +43,14 @@ class Collective:
 
 
 def buckets(total: float, first: float = DDP_FIRST_BUCKET_BYTES,
-            cap: float = DDP_BUCKET_BYTES) -> list[float]:
-    """DDP-style bucket sizes covering `total` bytes (the first bucket is small: it starts early)."""
+            cap: float = DDP_BUCKET_BYTES) -> list[tuple[float, int]]:
+    """DDP-style buckets covering `total` bytes, as (size, how many of that size): the first
+    bucket is small (it starts early), the rest equal. Counted, not listed: a trillion-parameter
+    model has ~10^5 buckets."""
+    if total <= first:
+        return [(total, 1)]
     n = math.ceil((total - first) / cap)
-    return [total] if total <= first else [first] + [(total - first) / n] * n
+    return [(first, 1), ((total - first) / n, n)]
 
 
 def collectives(plan: Plan, units: list[float], precision: Precision, world: int,
@@ -66,13 +70,13 @@ def collectives(plan: Plan, units: list[float], precision: Precision, world: int
     p_bytes = n_params * precision.weight  # zero1/2 all-gather the updated (stored) weights
     multi_node = world > ranks_per_node
     if plan.kind == Kind.REPLICATED or (plan.kind == Kind.ZERO1 and torch_zero1):
-        out = [Collective("all_reduce", s, world, 1, multi_node) for s in buckets(g_bytes)]
+        out = [Collective("all_reduce", s, world, n, multi_node) for s, n in buckets(g_bytes)]
         if plan.kind == Kind.ZERO1:  # each rank broadcasts its updated parameters to the others
             out.append(Collective("broadcast", p_bytes / world, world, world, multi_node))
         return out
     if plan.kind in (Kind.ZERO1, Kind.ZERO2):
-        return ([Collective(rs, s, world, 1, multi_node) for s in buckets(g_bytes)]
-                + [Collective("all_gather", s, world, 1, multi_node) for s in buckets(p_bytes)])
+        return ([Collective(rs, s, world, n, multi_node) for s, n in buckets(g_bytes)]
+                + [Collective("all_gather", s, world, n, multi_node) for s, n in buckets(p_bytes)])
     shards, out = plan.shards(world), []
     for i, unit in enumerate([*units, root] if root else units):
         gathers = 2 if reshard_after_forward and (root_reshards or i < len(units)) else 1
@@ -115,15 +119,20 @@ def load_comm_results(path: Path) -> Links:
         rows: Any = json.loads(text) if path.suffix != ".csv" else [
             {"op": r["op"], "world_size": int(r["world_size"]), "size_bytes": float(r["size_bytes"]),
              "time_us": float(r["time_us"])} for r in csv.DictReader(text.splitlines())]
-        if not isinstance(rows, list):
+        if not isinstance(rows, list) or any(  # the fit divides by a measurement's ranks - 1
+                isinstance(r, dict) and "time_us" in r and not (
+                    isinstance(r.get("world_size"), int) and r["world_size"] >= 2) for r in rows):
             raise ValueError
         fitted = fit(rows)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, ArithmeticError):
         raise DtlabError(f"--comm-results '{path}' is not a dtlab comm --json/--csv file; fix: "
                          "pass what dtlab comm --json FILE or --csv FILE wrote") from None
     if not fitted:
         raise DtlabError(f"--comm-results '{path}' has no collective measured at two sizes or "
                          "more; fix: run dtlab comm with --min-bytes below --max-bytes")
+    if "all_reduce" not in fitted:  # what every op without its own fit is predicted from
+        raise DtlabError(f"--comm-results '{path}' has no all_reduce measured ({', '.join(fitted)} "
+                         "only); fix: measure with dtlab comm --op all --json FILE")
     ops = ", ".join(f"{op} ({m['world_size']} ranks)" for op, m in fitted.items())
     return Links(fitted=fitted, source=f"alpha-beta fit of {path}: {ops}")
 

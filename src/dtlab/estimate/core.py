@@ -16,8 +16,9 @@ from typing import Any
 
 from dtlab.config import Config
 from dtlab.config.strategies import registry
+from dtlab.errors import DtlabError
 from dtlab.estimate import activations, comm, memory
-from dtlab.estimate.measure import NotMeasured, RankBytes, measure, meta_model
+from dtlab.estimate.measure import MAX_WORLD, NotMeasured, RankBytes, measure, meta_model
 from dtlab.estimate.memory import OPTIMIZER_BYTES, PRECISIONS, Kind, Plan, Precision
 from dtlab.models import count_params
 
@@ -44,6 +45,10 @@ def model_from_size(n_params: float, n_layer: int | None, hidden: int | None,
         hidden = hidden or 128 * n_layer
         notes.append(f"shape by the hidden = 128 x layers rule: {n_layer} layers x {hidden}")
     heads = n_head or max(1, hidden // 128)
+    if n_head and hidden % n_head:
+        raise DtlabError(f"--n-head {n_head} does not divide the hidden size {hidden} (each head "
+                         f"takes hidden / heads dimensions); fix: a number of heads that divides "
+                         f"{hidden}, or another --hidden")
     block = 12 * hidden * hidden + 12 * hidden
     units, root = [float(block)] * n_layer, max(0.0, n_params - n_layer * block)
     if n_params < n_layer * block:
@@ -105,7 +110,10 @@ def exact_state(cfg: Config, world: int, ranks_per_node: int,
                 device: str = "cpu") -> tuple[list[RankBytes], str]:
     """Per-rank param/grad/optim bytes of `cfg`'s strategy on `world` ranks, and their source:
     measured under the fake backend (every rank up to 16, else the ranks holding the most), or
-    the strategy's model where its library cannot run there (DeepSpeed)."""
+    the strategy's model where its library cannot run there (DeepSpeed). Both list every rank:
+    beyond MAX_WORLD ranks, NotMeasured (the ideal layout stands in)."""
+    if world > MAX_WORLD:
+        raise NotMeasured(f"{world:,} ranks, more than the {MAX_WORLD:,} measured in seconds")
     model = registry.of(cfg).memory_model
     if model is None:
         return measure(cfg, world, ranks_per_node, device), MEASURED
@@ -135,16 +143,27 @@ def activation_mode(precision: Precision, wrapper_casts: bool) -> str:
 
 def strategy_config(setup: Setup, token: str) -> Config | None:
     """The config of a dtlab strategy spec (fsdp1:SHARD_GRAD_OP...) on the setup's model; None
-    for the ideal layouts (zero2, hybrid:4...) or a model given by its parameter count."""
+    for the ideal layouts (zero2, hybrid:4...) or a model given by its parameter count. A token
+    that is neither, or a dtlab spec that is invalid or made for another world size, is refused."""
     from dtlab.config import load_config
     from dtlab.config.strategies.registry import parse as parse_spec
     from dtlab.errors import ConfigError
 
-    try:
-        path, overrides = setup.model.source
-        return None if setup.model.cfg is None else load_config(path, [*overrides, *parse_spec(token)])
-    except ConfigError:
+    name = token.partition(":")[0].partition("@")[0].partition("+")[0]
+    if setup.model.cfg is None or (name not in registry.SPECS and name.lower() in memory.ALIASES):
         return None
+    if name not in registry.SPECS:
+        raise ConfigError(f"--strategies: '{token}' is neither a dtlab strategy nor a layout; "
+                          f"fix: use {', '.join(registry.NAMES)} (with --config), or ddp, zero1, "
+                          "zero2, zero3, hybrid:S, with +offload for zero1/2/3")
+    path, overrides = setup.model.source
+    try:
+        cfg = load_config(path, [*overrides, *parse_spec(token)])
+    except ConfigError as e:  # a dtlab strategy spelt wrong (fsdp1:FOO) is that, not a layout
+        text = str(e)
+        raise ConfigError(text if text.startswith("--strategies") else
+                          f"--strategies '{token}': {text}") from None
+    return cfg
 
 
 def estimate(setup: Setup, token: str) -> dict[str, Any]:
@@ -163,8 +182,12 @@ def estimate(setup: Setup, token: str) -> dict[str, Any]:
         try:
             per_rank, source = exact_state(cfg, world, rpn, device)
         except NotMeasured as e:
-            if plan is None:
-                raise
+            if plan is None and "; fix:" in str(e):  # refused by the strategy's own checks
+                raise DtlabError(f"--strategies '{token}' on {world} ranks: {e}") from None
+            if plan is None:  # tp, pp: no ideal layout to stand in
+                raise DtlabError(f"--strategies '{token}': not measured ({e}) and no layout "
+                                 "models tensor or pipeline parallelism; fix: a smaller "
+                                 "--world-size or model, or a data-parallel strategy") from None
             notes.append(f"{token}: not measured ({e}); the ideal {plan.kind} layout instead")
     if per_rank is None:
         state = memory.state_per_rank(m.n_params, plan, precision, setup.optimizer, world)

@@ -6,7 +6,7 @@ not initialised, on the host, wrapped by dtlab's own strategy class, one forward
 optimizer step, then the strategy's own `state_bytes`, what summary.json's memory_per_rank holds
 after a real run. Values are garbage; shapes, shards, paddings and storages are the wrappers' own,
 and bytes depend on nothing else. Limits: the whole model is held once on the host and run
-(MAX_PARAMS); offload is measured as on a host-only run.
+(MAX_PARAMS), on up to MAX_WORLD ranks; offload is measured as on a host-only run.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dtlab.models import build_model, count_params
 RankBytes = dict[str, int]  # param_bytes, grad_bytes, optim_bytes (+ "rank")
 EVERY_RANK = 16  # up to this world size every rank is measured (the tests compare per rank)
 MAX_PARAMS = 50_000_000  # a few seconds and a few hundred MB per measured rank on a CPU
+MAX_WORLD = 4096  # shards are listed per rank: 10^5 FSDP ranks took 45 s and 2 GB here
 
 
 class NotMeasured(DtlabError):

@@ -81,9 +81,13 @@ def parse_plan(token: str, world: int, ranks_per_node: int | None = None) -> Pla
                          "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD), hybrid:S, with +offload for zero1/2/3")
     group = None
     if name in HYBRID:
-        group = int(arg) if arg.isdigit() else 0 if arg else ranks_per_node or world
+        if ":" in base and not arg.isdigit():  # hybrid:, hybrid:abc, hybrid:-2, hybrid:1.5
+            raise DtlabError(f"{bad}: S in hybrid:S is ranks per shard group, a whole number; "
+                             f"fix: e.g. hybrid:{ranks_per_node or world}, or plain hybrid for "
+                             "the ranks of one node")
+        group = int(arg) if arg else ranks_per_node or world
         if group < 1 or world % group:
-            raise DtlabError(f"{bad}: a shard group of {arg or group} ranks does not divide {world} "
+            raise DtlabError(f"{bad}: a shard group of {group} ranks does not divide {world} "
                              "ranks; fix: write hybrid:S with S a divisor of the world size")
     elif arg:
         raise DtlabError(f"{bad}: only hybrid takes ':S'; fix: remove ':{arg}'")

@@ -35,6 +35,14 @@ def apply(model: nn.Module, cfg: Any) -> nn.Module:
     if not cfg.rank:
         return model
     peft = require_peft()
+    widths = [min(m.weight.shape) for n, m in model.named_modules()
+              if n.rsplit(".", 1)[-1] in cfg.targets and getattr(m, "weight", None) is not None
+              and m.weight.dim() == 2]
+    if widths and cfg.rank > min(widths):  # a rank past the layer's width adds nothing, and
+        # the adapters (rank x width each) alone can outgrow the memory
+        raise ConfigError(f"train.lora.rank={cfg.rank} is more than the narrowest targeted layer "
+                          f"({min(widths)} wide); fix: a rank well below it, e.g. "
+                          f"train.lora.rank={min(8, min(widths))}")
     config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=list(cfg.targets),
                              lora_dropout=cfg.dropout, bias="none")
     try:

@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 from dtlab.results.collect import collect, read_csv, write_csv
+from dtlab.results.outputs import check_replaceable
 from dtlab.results.plot import plot_results
-from dtlab.results.report import write_report
+from dtlab.results.report import skipped_combinations, write_report
 
 __all__ = ["collect", "plot_results", "read_csv", "write_csv", "write_outputs", "write_report"]
 
@@ -18,6 +19,9 @@ def write_outputs(root: Path, report: Path | None = None, comm_csvs: tuple[Path,
     root = Path(root)
     rows = collect(root)
     comm = [r for path in comm_csvs for r in read_csv(path)]  # before anything is written
+    skipped_combinations(root)  # a damaged sweep.json stops here, before anything is written
+    check_replaceable(root / "results.csv", "csv")
+    check_replaceable(report or root / "report.html", "report")
     for r in rows:  # the report's findings say it too, and do not compare their throughput
         if r.get("unreliable"):
             print(f"WARN: {r['series']} at {r['world_size']} rank(s) ({r['source']}): timings "

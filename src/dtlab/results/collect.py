@@ -8,6 +8,7 @@ contribute one row each from their `[METRIC] key=value` lines, later values winn
 from __future__ import annotations
 
 import csv
+import io
 import json
 import re
 from pathlib import Path
@@ -45,11 +46,41 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+# The sections of summary.json and run.json that are read by shape, and the shape they must have
+SHAPES = {"summary.json": {"memory_per_rank": dict, "timing": dict, "pipeline": dict,
+                           "strategy_options": dict, "profile": dict, "comm_breakdown": dict},
+          "run.json": {"combo": dict, "nproc_per_node": int, "nnodes": int}}
+
+
+def check_shape(path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` (read_json of `path`), refused in one line when a section has another shape than
+    dtlab writes (a hand-edited or damaged record); returned as it is otherwise."""
+    shapes = SHAPES.get(path.name, {})
+    bad = [k for k, kind in shapes.items() if data.get(k) is not None
+           and (not isinstance(data[k], kind) or isinstance(data[k], bool))]
+    mem = data.get("memory_per_rank") if path.name == "summary.json" else None
+    if isinstance(mem, dict):
+        bad += [f"memory_per_rank.{k}" for k, v in mem.items() if not isinstance(v, list)
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)]
+    for key in ("timing", "comm_breakdown"):
+        inner = data.get(key) if path.name == "summary.json" else None
+        field = {"timing": "unreliable", "comm_breakdown": "by_op"}[key]
+        if isinstance(inner, dict) and inner.get(field) is not None and not isinstance(
+                inner[field], list if key == "timing" else dict):
+            bad.append(f"{key}.{field}")
+    if bad:
+        raise DtlabError(f"'{path}' is not a dtlab JSON record ({', '.join(bad)} has another shape; "
+                         f"damaged or edited?); fix: re-run that run, or move its directory "
+                         f"'{path.parent}' out of the way")
+    return data
+
+
 def row_from_run(run_dir: Path, root: Path) -> dict[str, Any]:
-    s, rec = read_json(run_dir / "summary.json"), read_json(run_dir / "run.json")
+    s = check_shape(run_dir / "summary.json", read_json(run_dir / "summary.json"))
+    rec = check_shape(run_dir / "run.json", read_json(run_dir / "run.json"))
     mem = s.get("memory_per_rank", {})
-    state = [sum(v) for v in zip(*(mem.get(k, []) for k in ("param_bytes", "grad_bytes", "optim_bytes")),
-                                 strict=True)]
+    parts = [mem.get(k) or [] for k in ("param_bytes", "grad_bytes", "optim_bytes")]
+    state = [sum(v) for v in zip(*parts, strict=True)] if len(set(map(len, parts))) == 1 else []
     row: dict[str, Any] = {k: s.get(k) for k in COLUMNS if k in s}
     peak = mem.get("peak_allocated_bytes") or mem.get("peak_rss_bytes") or []
     row.update(
@@ -85,14 +116,15 @@ def add_verification(rows: list[dict[str, Any]], root: Path) -> None:
         table = json.loads(path.read_bytes().decode())
         if not isinstance(table, list):
             raise TypeError
-        checked = {r["strategy"]: r for r in table if "loss_dev" in r}
+        checked = {r["strategy"]: (float(r["loss_dev"]), float(r["param_dev"]))
+                   for r in table if "loss_dev" in r}
     except (ValueError, TypeError, KeyError):
         raise DtlabError(f"'{path}' is not what dtlab compare writes (damaged?); fix: run the "
                          "comparison again, or move the file out of the way") from None
     for row in rows:
         match = checked.get(str(row.get("series")))
         if match:
-            row["loss_dev"], row["param_dev"] = float(match["loss_dev"]), float(match["param_dev"])
+            row["loss_dev"], row["param_dev"] = match
 
 
 def parse_number(text: str) -> Any:
@@ -144,13 +176,14 @@ def collect(*roots: Path) -> list[dict[str, Any]]:
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
+    from dtlab.results.outputs import write_output
+
     extra = sorted({k for r in rows for k in r} - set(COLUMNS))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS + extra, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=COLUMNS + extra, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return write_output(path, text.getvalue(), "csv")
 
 
 def read_csv(path: Path) -> list[dict[str, Any]]:

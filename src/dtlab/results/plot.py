@@ -8,6 +8,7 @@ what was drawn.
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -34,11 +35,13 @@ def _pyplot() -> Any:
 
 def points(rows: list[dict[str, Any]], x_key: str, y_key: str,
            label: Callable[[dict[str, Any]], str]) -> dict[str, list[tuple[float, float]]]:
-    """{label: [(x, y), ...]} over finished rows with a number in both columns."""
+    """{label: [(x, y), ...]} over finished rows with a finite number in both columns, x
+    positive (ranks, sizes: a hand-edited 0 would divide by zero in `scaling`)."""
     out: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for r in rows:
         x, y = r.get(x_key), r.get(y_key)
-        if r.get("status") in (None, "done") and isinstance(x, (int, float)) and isinstance(y, (int, float)):
+        if (r.get("status") in (None, "done") and isinstance(x, (int, float))
+                and isinstance(y, (int, float)) and math.isfinite(x) and math.isfinite(y) and x > 0):
             out[label(r)].append((x, y))
     return {k: sorted(v) for k, v in sorted(out.items())}
 

@@ -10,7 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dtlab.errors import DtlabError
 from dtlab.results.findings import findings
+from dtlab.results.outputs import write_output
 
 MiB = 1024 * 1024
 STYLE = """
@@ -52,12 +54,27 @@ def environment(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
             ("launcher", values("launcher")), ("hosts", values("hostname"))]
 
 
+def skipped_combinations(root: Path) -> list[dict[str, str]]:
+    """The combinations a sweep's plan (sweep.json) marks as unable to run; a damaged plan is
+    one line, before anything is written."""
+    plan = root / "sweep.json"
+    if not plan.is_file():
+        return []
+    try:
+        runs = json.loads(plan.read_bytes().decode())["runs"]
+        if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
+            raise TypeError
+    except (ValueError, TypeError, KeyError):
+        raise DtlabError(f"'{plan}' is not the plan dtlab sweep writes (damaged?); fix: run the "
+                         "sweep again (finished runs are found, not re-run), or move the file "
+                         "out of the way") from None
+    return [{"label": str(r.get("label")), "invalid": str(r["invalid"])}
+            for r in runs if r.get("invalid")]
+
+
 def write_report(root: Path, out: Path, rows: list[dict[str, Any]],
                  figures: list[dict[str, Any]], plots_dir: Path) -> Path:
-    skipped = []
-    plan = Path(root) / "sweep.json"
-    if plan.is_file():
-        skipped = [r for r in json.loads(plan.read_text())["runs"] if r.get("invalid")]
+    skipped = skipped_combinations(Path(root))
     parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
              f"<title>dtlab report: {html.escape(str(root))}</title><style>{STYLE}</style></head><body>",
              f"<h1>dtlab report: {html.escape(str(root))}</h1>",
@@ -83,7 +100,4 @@ def write_report(root: Path, out: Path, rows: list[dict[str, Any]],
         parts += [f"<li>{html.escape(s['label'])}: {html.escape(s['invalid'])}</li>" for s in skipped]
         parts.append("</ul>")
     parts.append("</body></html>\n")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(parts))
-    return out
+    return write_output(Path(out), "\n".join(parts), "report")

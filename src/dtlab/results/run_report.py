@@ -19,9 +19,9 @@ from urllib.parse import quote
 import yaml
 
 from dtlab.config.strategies import registry
-from dtlab.errors import DtlabError
 from dtlab.results import run_plots
-from dtlab.results.collect import read_json
+from dtlab.results.collect import check_shape, read_json
+from dtlab.results.outputs import check_replaceable, write_output
 from dtlab.results.plot import _pyplot
 from dtlab.results.run_html import RUN_STYLE, MiB, esc, figure, fmt, missing, pairs, table
 from dtlab.results.run_plots import PROFILE_COLUMNS, number
@@ -241,7 +241,9 @@ def write_run_report(run_dir: Path, out: Path | None = None) -> Path:
     run_dir = Path(run_dir)
     out = Path(out) if out else run_dir / "report.html"
     _pyplot()  # refuses in one line, before anything is read or written, without matplotlib
-    s, rec = read_json(run_dir / "summary.json"), read_json(run_dir / "run.json")
+    check_replaceable(out, "report")
+    s = check_shape(run_dir / "summary.json", read_json(run_dir / "summary.json"))
+    rec = check_shape(run_dir / "run.json", read_json(run_dir / "run.json"))
     if not rec.get("status"):
         rec = {**rec, **stopped_ranks(run_dir)}
     train, val, bad = read_metrics(run_dir / "metrics.jsonl")
@@ -269,10 +271,5 @@ def write_run_report(run_dir: Path, out: Path | None = None) -> Path:
              "<h2>Config</h2>", f"<pre>{esc(config)}</pre>" if config is not None else
              missing("config", "config.yaml is written when the run starts")]
     parts.append("</body></html>\n")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("\n".join(parts))
-    except OSError as e:
-        raise DtlabError(f"cannot write the report '{out}' ({e.strerror}); fix: pass -o with a "
-                         "writable path") from None
+    write_output(out, "\n".join(parts), "report")
     return out

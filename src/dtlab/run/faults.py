@@ -11,7 +11,19 @@ import time
 
 import torch
 
-from dtlab.config import FaultConfig
+from dtlab.config import ConfigError, FaultConfig
+
+
+def check_fault(cfg: FaultConfig, world_size: int, total_steps: int) -> None:
+    """A fault that can never fire makes a recovery test pass for the wrong reason: refuse it."""
+    if cfg.kind == "none":
+        return
+    if cfg.rank >= world_size:
+        raise ConfigError(f"run.fault.rank={cfg.rank}, but the run has {world_size} rank(s), 0 to "
+                          f"{world_size - 1}; fix: run.fault.rank={world_size - 1} or lower")
+    if cfg.step > total_steps:
+        raise ConfigError(f"run.fault.step={cfg.step}, but the run ends at step {total_steps}; "
+                          f"fix: run.fault.step={total_steps} or lower, or more train.max_steps")
 
 
 class Fault:

@@ -103,6 +103,10 @@ def load_spec(path: str | Path) -> SweepSpec:
         if not values:
             raise ConfigError(f"sweep spec {path}: matrix key '{key}' has no values; fix: list "
                               f"at least one, e.g. {key}: [value], or remove the key")
+        twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+        if twice is not None:  # both would be one run directory: the second run resumes the first
+            raise ConfigError(f"sweep spec {path}: matrix key '{key}' lists {_fmt(twice)} twice; "
+                              "fix: list each value once")
         for value in values:
             problem = check_layout(key, value) if key in LAYOUT_KEYS else check_value(key, value)
             if problem:
@@ -163,7 +167,8 @@ def config_key(cfg: Config, nproc_per_node: int, nnodes: int, slurm_mode: str) -
 def expand(spec: SweepSpec, out_dir: Path, launcher: str) -> list[PlannedRun]:
     """Every combination of the matrix, resolved; invalid ones carry the reason."""
     names = list(spec.matrix)
-    plans = []
+    plans: list[PlannedRun] = []
+    same: dict[str, str] = {}  # run key -> the label of the first combination with it
     for values in itertools.product(*(spec.matrix[n] for n in names)) if names else [()]:
         combo = dict(zip(names, values, strict=True))
         if any(all(combo.get(k) == v for k, v in ex.items()) for ex in spec.exclude):
@@ -195,6 +200,11 @@ def expand(spec: SweepSpec, out_dir: Path, launcher: str) -> list[PlannedRun]:
             plans.append(run)
             continue
         run.key = config_key(cfg, run.nproc_per_node, run.nnodes, run.slurm_mode)
+        if run.key in same:  # e.g. train.lr 0.1 and 1e-1: one run directory for two runs
+            raise ConfigError(f"matrix combinations '{same[run.key]}' and '{run.label}' are the "
+                              "same run (same resolved config and ranks); fix: keep one of the "
+                              "values that make them")
+        same[run.key] = run.label
         run.run_dir = out_dir / "runs" / run.key
         cfg.run.dir = str(run.run_dir)
         cfg.run.progress = False
@@ -202,6 +212,9 @@ def expand(spec: SweepSpec, out_dir: Path, launcher: str) -> list[PlannedRun]:
         cfg.run.overwrite = True
         run.config = cfg
         plans.append(run)
-    if plans and all(p.invalid for p in plans):
+    if not plans:
+        raise ConfigError("every combination of the matrix is excluded; fix: remove an entry "
+                          "under exclude:")
+    if all(p.invalid for p in plans):
         raise ConfigError(f"no combination of the matrix can run; the first: {plans[0].invalid}")
     return plans

@@ -69,11 +69,16 @@ def parse(text: str) -> list[str]:
     pp:interleaved_1f1b, deepspeed:3); a shape, `@MP` or `@DPxMP`, sets its mesh key to MP
     (fsdp_tp@2x2: 2 data-parallel replicas x 2 tensor-parallel ranks; see `ranks`).
     """
-    head, _, shape = text.partition("@")
-    name, _, variant = head.partition(":")
+    head, at, shape = text.partition("@")
+    name, colon, variant = head.partition(":")
     if name not in SPECS:
         raise ConfigError(f"--strategies: unknown strategy '{name}'; fix: use {', '.join(NAMES)}")
     spec = SPECS[name]
+    if (colon and not variant) or (at and not shape):  # `ddp:` would run as ddp, named `ddp:`
+        mark, example = (":", spec.variant and f"{name}:{(spec.variant[1][1:] or spec.variant[1])[0]}") \
+            if colon and not variant else ("@", spec.mesh_key and f"{name}@2x2")
+        raise ConfigError(f"--strategies: '{text}' ends in '{mark}' with nothing after it; fix: write "
+                          f"{name}" + (f", or e.g. {example}" if example else ""))
     overrides = [f"strategy.name={name}"]
     if variant:
         if spec.variant is None or variant not in spec.variant[1]:

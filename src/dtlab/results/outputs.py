@@ -1,0 +1,42 @@
+"""What `collect` and `report` write: whole or absent (dtlab.atomic_write), and only over a file
+that is an earlier output of the same kind. `-o` names any path, and a run directory holds
+files nothing else can restore (summary.json, metrics.jsonl): `dtlab report RUN -o
+RUN/summary.json` must not turn a run's record into HTML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dtlab.atomic_write import write_atomic
+from dtlab.errors import DtlabError
+
+# kind -> (what the file is called in messages, a test on its first bytes)
+KINDS = {
+    "report": ("an HTML report dtlab wrote",
+               lambda head: head.lower().startswith(b"<!doctype html>") and b"<title>dtlab " in head),
+    "csv": ("a results CSV dtlab wrote", lambda head: head.startswith(b"series,strategy,")),
+}
+
+
+def check_replaceable(path: Path, kind: str) -> None:
+    """Refuse to replace a file that is not an earlier output of `kind` (an empty file holds
+    nothing to lose)."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    what, looks_right = KINDS[kind]
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        head = b""
+    if not looks_right(head):
+        raise DtlabError(f"'{path}' exists and is not {what}: writing there would replace it; "
+                         "fix: pass -o with another file name, or move that file away first")
+
+
+def write_output(path: Path, text: str, kind: str) -> Path:
+    """`text` to `path`, whole or not at all, after check_replaceable."""
+    check_replaceable(path, kind)
+    return write_atomic(Path(path), lambda draft: draft.write_text(text, newline=""),
+                        f"writing '{path}'", "-o/--output")
