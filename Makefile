@@ -27,8 +27,10 @@ demo: $(STAMP)
 	$(VENV)/bin/dtlab compare --strategies single,ddp,fsdp,fsdp1 --nproc-per-node 2 --verify --out runs/demo
 	$(VENV)/bin/dtlab report runs/demo
 
+# lint-imports: the layers and no-cycles contracts of pyproject.toml (docs/architecture.md).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/lint-imports --no-cache
 
 # The doctor first: when this machine cannot run 2-rank collectives, say why instead of failing
 # half the suite. The test groups start heaviest first (tests/conftest.py: COST).

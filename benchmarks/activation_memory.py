@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dtlab import activation_checkpoint
+from dtlab.levers import activation_checkpoint
 from dtlab.models import loss_fn
 
 CASES = [

@@ -20,8 +20,8 @@ config; bf16 autocast on CUDA, fp32 and one thread on CPU; torch.compile of the 
 optimizer) in the compiled mode; data generated on the device before training (dtlab's synthetic
 data, random tensors here), as many samples as the run uses; each side in its own fresh process;
 the timing rule: wall time of each step up to a device synchronisation, the first --warmup steps
-excluded, the median of the rest; MFU = model FLOPs (dtlab.flops.count) / median step / dtlab's
-peak for the device; peak memory = dtlab.metrics' peak over the timed steps (CUDA: max allocated;
+excluded, the median of the rest; MFU = model FLOPs (dtlab.instruments.flops.count) / median step / dtlab's
+peak for the device; peak memory = dtlab.instruments.metrics' peak over the timed steps (CUDA: max allocated;
 CPU: peak RSS), the set-up's and the warm-up's printed beside it. What differs is
 what is measured: dtlab's loop and its bookkeeping (strategy and step engine, the finiteness check
 of the gradient norm, the scheduler) against the few lines of `hand_run`. Pairs alternate which
@@ -92,8 +92,8 @@ def n_params(model: nn.Module) -> int:
 def hand_run(workload: str, compiled: bool, args: argparse.Namespace) -> dict[str, Any]:
     from dtlab.config import load_config
     from dtlab.data import spec_for
-    from dtlab.flops import count
-    from dtlab.metrics import peak_memory, restart_peak
+    from dtlab.instruments.flops import count
+    from dtlab.instruments.metrics import peak_memory, restart_peak
     from dtlab.models import build_model, count_params
 
     cfg = load_config(str(ROOT / WORKLOADS[workload][0]),

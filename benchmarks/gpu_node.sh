@@ -38,7 +38,7 @@ step() { echo "== $*"; "$@"; echo "== exit $?"; }
   step $DT train --config configs/fsdp_gpt.yaml $CK run.dir="$out/ck_full"
   step $DT train --config configs/fsdp_gpt.yaml $CK run.dir="$out/ck_cut" run.fault.kind=exit run.fault.step=30
   step $DT train --config configs/fsdp_gpt.yaml $CK run.dir="$out/ck_cut"
-  step python3 -c "import sys; from pathlib import Path; from dtlab.compare import read_run, loss_deviation
+  step python3 -c "import sys; from pathlib import Path; from dtlab.cli.compare import read_run, loss_deviation
 full, cut = (read_run(Path(sys.argv[1], d))[1] for d in ('ck_full', 'ck_cut'))
 print(f'stopped and resumed vs uninterrupted, {len(cut)} steps: largest relative loss deviation {loss_deviation(cut, full):.3g}')" "$out"
   step $DT export "$out/ck_full/checkpoints/step_000040" -o "$out/ck_full/model.safetensors"

@@ -17,8 +17,8 @@ import torch
 
 from dtlab.config import load_config
 from dtlab.data import spec_for
+from dtlab.levers.optim import IMPL_KWARGS, optimizer_spec
 from dtlab.models import build_model, count_params
-from dtlab.optim import IMPL_KWARGS, optimizer_spec
 
 
 def main() -> int:

@@ -26,10 +26,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from dtlab.config.strategies.fsdp_spec import FSDPOptions
 from dtlab.models.gpt import GPT
 from dtlab.strategies.base import autocast
 from dtlab.strategies.fsdp import shard
-from dtlab.strategies.fsdp_spec import FSDPOptions
 
 MODES = ["fp32", "autocast", "bf16-weights", "fsdp2-fp32", "fsdp2-bf16"]
 

@@ -8,8 +8,8 @@ same batch, precision, layout and SGD, in their own fresh processes, and record 
 third) with torch.profiler's memory timeline: PyTorch's split of the live bytes into parameters,
 gradients, optimizer state, activations, inputs, temporaries, autograd's own and unknown, at the
 step's peak. dtlab records it through `run.profile.memory=true`; the hand loop through the same
-analysis (dtlab.profile_window.timeline_peak). Beside them: each side's peak of the set-up, the
-warm-up and the timed steps (dtlab.metrics.restart_peak: allocated bytes on CUDA, RSS on CPU).
+analysis (dtlab.instruments.profile_window.timeline_peak). Beside them: each side's peak of the set-up, the
+warm-up and the timed steps (dtlab.instruments.metrics.restart_peak: allocated bytes on CUDA, RSS on CPU).
 A category that differs is where dtlab's loop holds more than a hand-written one.
 """
 
@@ -58,10 +58,10 @@ def hand_side(args: argparse.Namespace, out: Path) -> dict:
     from hand_models import hand_model
     from torch.profiler import ProfilerActivity, profile
 
-    from dtlab import numerics
     from dtlab.config import load_config
-    from dtlab.metrics import peak_memory, restart_peak
-    from dtlab.profile_window import timeline_peak
+    from dtlab.instruments.metrics import peak_memory, restart_peak
+    from dtlab.instruments.profile_window import timeline_peak
+    from dtlab.levers import numerics
 
     cfg = load_config(str(ROOT / CONFIG), overrides(args))
     dev, t = torch.device(args.device), cfg.train

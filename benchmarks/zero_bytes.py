@@ -3,7 +3,7 @@
     python benchmarks/zero_bytes.py RUN_DIR [RUN_DIR ...] [--json out.json]
 
 Reads each run's summary.json (`memory_per_rank`: exact bytes of the storages each rank holds, see
-src/dtlab/metrics.py and src/dtlab/strategies/deepspeed_memory.py) and prints one row per run
+src/dtlab/strategies/state_bytes.py and src/dtlab/strategies/deepspeed_memory.py) and prints one row per run
 and rank, in KiB, with each kind's share of the full model's fp32 parameter bytes (4 x n_params).
 """
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import ranks
 
-from dtlab.compare import loss_deviation, read_run
+from dtlab.cli.compare import loss_deviation, read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -149,12 +149,12 @@ def in_process(fn: Callable[[], int], cwd: Path | None = None, env: dict[str, st
 
 def dtlab(*args: str, cwd: Path | None = None,
           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`dtlab ARGS` inside this process: dtlab.cli.main(ARGS), its exit code and output.
+    """`dtlab ARGS` inside this process: dtlab.cli.main.main(ARGS), its exit code and output.
 
     What the console script does besides main() is distributed.leave(), which only matters after
     a process group: use it for commands that start none here (1-rank `single` runs, validation
     errors, launches, compare/sweep, which start their runs as processes, estimate, advise, ...)."""
-    from dtlab.cli import main
+    from dtlab.cli.main import main
 
     def run() -> int:
         try:
@@ -212,7 +212,7 @@ class _Popen:
 
 
 class _Subprocess:
-    """Stands in for the subprocess module inside dtlab.compare and dtlab.sweeps.local."""
+    """Stands in for the subprocess module inside dtlab.cli.compare and dtlab.sweeps.local."""
 
     DEVNULL, STDOUT, TimeoutExpired, Popen = (subprocess.DEVNULL, subprocess.STDOUT,
                                               subprocess.TimeoutExpired, _Popen)
@@ -227,21 +227,21 @@ def fast_launches() -> Iterator[None]:
     """Commands run in this process start their ranks through tests/ranks.py: `dtlab compare`
     and `dtlab sweep` (locally) their runs (their specs, tables, deviations, verdicts, records
     and reports are their own), `dtlab train` and `dtlab comm` on one node without restarts
-    their workers (dtlab.launch.launch; restarts and several nodes still go through torch
+    their workers (dtlab.process.launch.launch; restarts and several nodes still go through torch
     elastic). The ranks are real processes in real gloo groups, running the workers' entry
     points. (A sweep's timeouts are tested with its real runner: test_sweep.py.)"""
-    import dtlab.compare
-    import dtlab.launch
+    import dtlab.cli.compare
+    import dtlab.process.launch
     import dtlab.sweeps.local
 
     def params(fn: Callable[..., int]) -> list[tuple[str, object]]:
         return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
 
-    assert params(ranks.launch) == params(dtlab.launch.launch), "dtlab.launch.launch changed"
+    assert params(ranks.launch) == params(dtlab.process.launch.launch), "dtlab.process.launch.launch changed"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dtlab.compare, "subprocess", _Subprocess)
+        mp.setattr(dtlab.cli.compare, "subprocess", _Subprocess)
         mp.setattr(dtlab.sweeps.local, "subprocess", _Subprocess)
-        mp.setattr(dtlab.launch, "launch", ranks.launch)
+        mp.setattr(dtlab.process.launch, "launch", ranks.launch)
         yield
 
 

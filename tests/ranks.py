@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dtlab.launch import launch as real_launch
+from dtlab.process.launch import launch as real_launch
 
 # Imported once by the forkserver, before it forks any rank (what every rank needs; optimizers
 # import torch._dynamo on first use, the slowest part of a rank's start); forkserver_init last.
@@ -94,7 +94,7 @@ def start(nproc: int, argv: list[str], target: Callable[[list[str]], int] = _tra
           grace_s: float = 30) -> subprocess.CompletedProcess[str]:
     """Run target(argv) on `nproc` ranks (1 rank: no launch variables, as a 1-rank `dtlab train`
     runs). Returns the exit code (dtlab's launcher rules) and the ranks' output, rank by rank."""
-    from dtlab.launch import report_failures
+    from dtlab.process.launch import report_failures
 
     ensure_forkserver()
     port = _free_port()
@@ -192,7 +192,7 @@ def _free_port() -> int:
 def launch(worker_args: list[str], nproc_per_node: int, nnodes: int = 1,
            rdzv_endpoint: str | None = None, rdzv_id: str = "dtlab", max_restarts: int = 0,
            module: str = "dtlab.train", rdzv_conf: str = "") -> int:
-    """dtlab.launch.launch's stand-in (same signature): one node without restarts on ranks from
+    """dtlab.process.launch.launch's stand-in (same signature): one node without restarts on ranks from
     here (their output to this process's stdout/stderr); anything else through the real one."""
     if nnodes > 1 or max_restarts or rdzv_endpoint or module not in MAINS:
         return real_launch(worker_args, nproc_per_node, nnodes, rdzv_endpoint, rdzv_id,

@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import CONFIGS, ROOT, dtlab, step_losses, train
 
-from dtlab import activation_checkpoint
 from dtlab.config import load_config
 from dtlab.data import spec_for
 from dtlab.estimate import activations
+from dtlab.levers import activation_checkpoint
 from dtlab.models import build_model
 
 TINY_GPT = ("model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",

@@ -19,9 +19,9 @@ import ranks
 from conftest import dtlab, train
 
 from dtlab import atomic_write
-from dtlab import prepare as prep
 from dtlab.data import tokens
 from dtlab.errors import DataError
+from dtlab.text import prepare as prep
 
 GPT = ["model.name=gpt", "model.n_layer=1", "model.n_head=2", "model.n_embd=16",
        "model.block_size=16", "model.vocab_size=256", "train.global_batch_size=4",
@@ -75,7 +75,7 @@ def test_an_interrupt_between_the_two_renames_puts_the_old_set_back(old_set: Pat
 def _prepare_signalled_after_train_bin(argv: list[str]) -> int:
     """`dtlab prepare` that receives SIGTERM just after its new train.bin is written."""
     from dtlab import files
-    from dtlab.cli import main
+    from dtlab.cli.main import main
 
     real = files.file_sha256
 
@@ -90,7 +90,7 @@ def _prepare_signalled_after_train_bin(argv: list[str]) -> int:
 
 def _prepare_signalled_between_the_renames(argv: list[str]) -> int:
     """`dtlab prepare` that receives SIGINT just after the old data set was set aside."""
-    from dtlab.cli import main
+    from dtlab.cli.main import main
 
     real = os.rename
 

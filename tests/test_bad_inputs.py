@@ -784,7 +784,7 @@ UNITS = {"timeout": "second", "bytes": "bytes", "memory": "GB", "bandwidth": "GB
 
 def test_every_option_of_every_subcommand_says_what_it_does_and_its_default() -> None:
     """`--help` of every subcommand: each option has a sentence, its default and its unit."""
-    from dtlab.cli import build_parser
+    from dtlab.cli.main import build_parser
 
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import train
 
-from dtlab.comm.breakdown import ring_factor, split_step
-from dtlab.strategies import registry
+from dtlab.config.strategies import registry
+from dtlab.instruments.breakdown import ring_factor, split_step
 
 OPTS = ("train.max_steps=6", "run.comm_breakdown=true", "run.breakdown_steps=4")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import dtlab, fast_launches
 
-from dtlab.cli import main
+from dtlab.cli.main import main
 from dtlab.comm.bench import parse_size, sizes
 from dtlab.comm.model import PoorFitError, fit, predict
 from dtlab.comm.ops import OPS, busbw_factor, count_for, message_bytes

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 from conftest import CONFIGS, cli
 
-from dtlab.cli import main
+from dtlab.cli.main import main
 from dtlab.config import Config, ConfigError, check_world, load_config, parse_value, valid_keys
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from formats import cifar10_archive, decode_ids, idx_bytes, write_cifar10, write_mnist
 
-from dtlab.cli import main
+from dtlab.cli.main import main
 from dtlab.config import SyntheticConfig
 from dtlab.data import EvalLoader, TrainLoader, cifar10, mnist, tokens
 from dtlab.data.arrays import ArrayDataset, TokenWindows
@@ -64,7 +64,7 @@ def test_synthetic_images_are_built_within_little_more_than_their_size(monkeypat
     from torch.profiler import profile
 
     import dtlab.data.synthetic as synthetic
-    from dtlab.profile_window import timeline_peak
+    from dtlab.instruments.profile_window import timeline_peak
 
     monkeypatch.setattr(synthetic, "CHUNK", 64)
     cfg = SyntheticConfig(train_samples=2048, val_samples=16, image_size=16)

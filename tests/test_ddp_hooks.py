@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import max_rel_dev, step_losses, train
 
-from dtlab.compare import param_deviation
+from dtlab.cli.compare import param_deviation
 
 SHORT = ("train.max_steps=24", "run.save_model=true")
 
@@ -49,7 +49,7 @@ def test_lossy_hooks_still_learn(session_dir: Path, hook: str, options: list[str
 
 
 def test_local_sgd_group_must_divide_the_world(tmp_path: Path, capsys) -> None:
-    from dtlab.cli import main
+    from dtlab.cli.main import main
 
     assert main(["train", "--nproc-per-node", "2", "strategy.name=ddp",
                  "strategy.ddp.comm_hook=local_sgd", "strategy.ddp.local_sgd_group_size=3"]) == 2

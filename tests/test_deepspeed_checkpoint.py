@@ -16,7 +16,7 @@ import torch
 from conftest import dtlab, step_losses, train
 from safetensors.torch import load_file
 
-from dtlab.checkpoint import MANIFEST, _safe_reader, dcp_load
+from dtlab.run.checkpoint import MANIFEST, _safe_reader, dcp_load
 
 pytest.importorskip("deepspeed")
 

@@ -10,7 +10,7 @@ import torch
 
 from dtlab.distributed import DistEnv, detect_env, expand_hostlist, pick_backend, pick_device
 from dtlab.errors import ConfigError
-from dtlab.launch import report_failures
+from dtlab.process.launch import report_failures
 
 
 def test_no_launcher_means_one_process() -> None:

@@ -16,6 +16,7 @@ from conftest import ROOT, cli, dtlab, free_port
 
 from dtlab.comm.model import fit, predict
 from dtlab.config import load_config
+from dtlab.config.strategies import registry
 from dtlab.data import spec_for
 from dtlab.errors import DtlabError
 from dtlab.estimate import activations, comm, memory
@@ -23,7 +24,7 @@ from dtlab.estimate.advise import advise
 from dtlab.estimate.core import Setup, estimate, exact_state, model_from_config, model_from_size
 from dtlab.estimate.measure import batch, fake_group, measure, meta_model
 from dtlab.models import build_model, count_params
-from dtlab.strategies import deepspeed_memory, registry
+from dtlab.strategies import deepspeed_memory
 
 GB = 1e9
 FP32, BF16 = memory.PRECISIONS["fp32"], memory.PRECISIONS["bf16"]
@@ -213,7 +214,7 @@ def test_deepspeed_is_not_the_textbook_zero(measured: dict) -> None:
 @needs_ds
 def test_estimate_command_prints_the_exact_deepspeed_rows(
         measured: dict, capsys: pytest.CaptureFixture[str]) -> None:
-    from dtlab.cli import main
+    from dtlab.cli.main import main
 
     stages = ["deepspeed:1", "deepspeed:2", "deepspeed:3"]
     assert main(["estimate", *GPT, "--world-size", "2", "--strategies", ",".join(stages),
@@ -252,7 +253,7 @@ def test_deepspeed_rules_on_paper() -> None:
 
 def test_deepspeed_knob_without_a_layout_is_refused(tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    from dtlab.cli import main
+    from dtlab.cli.main import main
 
     ds_json = tmp_path / "rr.json"
     ds_json.write_text('{"zero_optimization": {"stage": 2, "round_robin_gradients": true}}')
@@ -296,7 +297,7 @@ def test_the_fake_group_never_touches_a_real_one() -> None:
 
 def test_1024_ranks_are_measured_in_one_process(capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from dtlab.cli import main
+    from dtlab.cli.main import main
 
     monkeypatch.chdir(ROOT)
     assert main(["estimate", "--config", "configs/fsdp_gpt.yaml", "--world-size", "1024",
@@ -483,7 +484,7 @@ BAD = [
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from dtlab.cli import main
+    from dtlab.cli.main import main
 
     monkeypatch.chdir(ROOT)
     try:
@@ -506,7 +507,7 @@ def test_config_estimate_reproduces_the_4_rank_measurements_of_strategies_md(
     """docs/strategies.md measured these on 4 ranks: fsdp 137,004 parameter bytes per rank
     (136,484 of optimizer state on the last), fsdp1 136,876. quick.yaml says `single`: the
     estimate splits its batch over the 4 ranks all the same."""
-    from dtlab.cli import main
+    from dtlab.cli.main import main
 
     monkeypatch.chdir(ROOT)
     assert main(["estimate", "--config", "configs/quick.yaml", "--world-size", "4",

@@ -14,9 +14,9 @@ from conftest import dtlab, train
 from safetensors.torch import load_file
 
 from dtlab.config import GPTConfig
-from dtlab.export import checkpoint_model, parse_size
 from dtlab.models import GPT
 from dtlab.models.gpt_hf import from_gpt2, to_gpt2
+from dtlab.text.export import checkpoint_model, parse_size
 
 SHAPE = dict(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=64)
 TINY = (*(f"model.{k}={v}" for k, v in SHAPE.items()), "model.name=gpt", "train.max_steps=2",
@@ -194,7 +194,7 @@ def test_a_failed_write_leaves_no_directory(runs: Path, tmp_path: Path,
 
 def test_the_checkpoint_is_read_one_block_at_a_time(runs: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    import dtlab.export
+    import dtlab.text.export
 
     reads: list[list[str]] = []
 
@@ -202,8 +202,8 @@ def test_the_checkpoint_is_read_one_block_at_a_time(runs: Path,
         reads.append(sorted(tensors["model"]))
         real(tensors, path)
 
-    real = dtlab.export.dcp_load
-    monkeypatch.setattr(dtlab.export, "dcp_load", dcp_load)
+    real = dtlab.text.export.dcp_load
+    monkeypatch.setattr(dtlab.text.export, "dcp_load", dcp_load)
     export_hf(checkpoint(runs, "nobias_tied"), runs / "by-block")
     blocks = [r for r in reads if r[0].startswith("h.")]
     assert [{k.split(".")[1] for k in r} for r in blocks] == [{"0"}, {"1"}]  # once each, alone

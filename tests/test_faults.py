@@ -277,7 +277,7 @@ def test_compare_twice_in_one_directory_starts_fresh_runs(tmp_path: Path) -> Non
 
 def test_compare_row_of_a_run_without_timed_steps() -> None:
     """A compare row for a run without timed steps has empty speed cells instead of a TypeError."""
-    from dtlab.compare import row_for
+    from dtlab.cli.compare import row_for
 
     summary = {"world_size": 1, "samples_per_s": None, "median_step_time_s": None,
                "final_train_loss": 2.3, "val_acc": None,

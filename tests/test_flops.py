@@ -10,10 +10,10 @@ import torch
 from conftest import CONFIGS, train
 from torch import nn
 
-from dtlab import flops
-from dtlab.compare import row_for
+from dtlab.cli.compare import row_for
 from dtlab.config import load_config
 from dtlab.data import spec_for
+from dtlab.instruments import flops
 from dtlab.models import build_model
 from dtlab.results.collect import row_from_run
 

@@ -85,7 +85,7 @@ def test_hand_loop_runs_the_smoke_gpt(tmp_path) -> None:
     # random tokens at GPT-2's init scale: near-uniform predictions, loss ~ ln(vocab) = 4.85
     assert abs(result["final_loss"] - math.log(128)) < 0.2
     assert result["flops_per_step"] > 0
-    # CPU: peak RSS of the set-up, the warm-up and the timed steps (dtlab.metrics.restart_peak)
+    # CPU: peak RSS of the set-up, the warm-up and the timed steps (dtlab.instruments.metrics.restart_peak)
     assert all(result[f"{p}peak_bytes"] > 0 for p in ("setup_", "warmup_", ""))
 
 

@@ -3,7 +3,7 @@
 Commands are the lines of ```bash blocks (a trailing backslash continues a line; `# exit N` at the
 end says the command is expected to fail with that code). Each chapter runs in its own directory
 holding the repository's configs/ and scripts/, so that relative paths work as in a fresh clone.
-A plain `dtlab ...` line runs what the console script runs, dtlab.cli.main(ARGS), inside the
+A plain `dtlab ...` line runs what the console script runs, dtlab.cli.main.main(ARGS), inside the
 test's process (its exit code and all output: conftest.dtlab), with the ranks of its runs forked
 from a preloaded forkserver (conftest.fast_launches: real processes and gloo groups, running the
 workers' entry points, without an interpreter start and torch imports per rank); `--max-restarts`

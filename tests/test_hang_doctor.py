@@ -99,7 +99,7 @@ def test_the_group_layout_skips_groups_this_rank_is_not_in() -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from dtlab.flight_recorder import group_config
+    from dtlab.instruments.flight_recorder import group_config
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:

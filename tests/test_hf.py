@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import dtlab, fast_launches, max_rel_dev, step_losses, train
 
-from dtlab.compare import param_deviation
+from dtlab.cli.compare import param_deviation
 from dtlab.config import load_config
 from dtlab.errors import ConfigError
 
@@ -170,7 +170,7 @@ def test_export_loads_in_transformers_and_trains_again(tmp_path: Path) -> None:
     """A model.name=hf checkpoint exported with --format hf: transformers loads it with its own
     class and computes the checkpoint's logits; model.hf.path pointing at it trains on from
     those weights (its first loss is the checkpoint's next one)."""
-    from dtlab.export import checkpoint_model
+    from dtlab.text.export import checkpoint_model
 
     train(tmp_path / "run", *LLAMA, *TRAIN, "train.max_steps=4", "train.checkpoint_every=4")
     ckpt = tmp_path / "run" / "checkpoints" / "step_000004"

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from conftest import cli, dtlab, fast_launches, max_rel_dev, step_losses
 
-from dtlab.cli import main
-from dtlab.compare import param_deviation, parse_spec, spec_ranks
+from dtlab.cli.compare import param_deviation, parse_spec, spec_ranks
+from dtlab.cli.main import main
 from dtlab.config import check_world, load_config
+from dtlab.config.strategies import registry
 from dtlab.errors import ConfigError
 from dtlab.results.collect import collect
-from dtlab.strategies import registry
 
 STEPS = 12
 TOL = 1e-5

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, dtlab, free_port, in_process, step_losses
 
-from dtlab.launch import launch
+from dtlab.process.launch import launch
 
 STEPS = "train.max_steps=8"
 

@@ -13,7 +13,7 @@ import torch
 from conftest import dtlab, fast_launches, max_rel_dev, step_losses, train
 from safetensors.torch import load_file
 
-from dtlab.compare import param_deviation
+from dtlab.cli.compare import param_deviation
 from dtlab.config import load_config
 from dtlab.data import spec_for
 from dtlab.models import build_model
@@ -68,7 +68,7 @@ def test_a_checkpoint_resumes_and_exports_merged(tmp_path: Path) -> None:
     assert resumed["resumed_from"]["step"] == 4
     assert max_rel_dev(step_losses(tmp_path / "cut")[-4:], whole[-4:]) < 1e-6
 
-    from dtlab.export import checkpoint_model
+    from dtlab.text.export import checkpoint_model
 
     ckpt = tmp_path / "cut" / "checkpoints" / "step_000004"
     proc = dtlab("export", str(ckpt), "-o", str(tmp_path / "merged.safetensors"))

@@ -17,12 +17,12 @@ import ranks
 import torch
 from conftest import CONFIGS, dtlab, fast_launches, max_rel_dev, step_losses, train
 
-from dtlab.cli import main
-from dtlab.compare import param_deviation, parse_spec, run_label, spec_ranks
+from dtlab.cli.compare import param_deviation, parse_spec, run_label, spec_ranks
+from dtlab.cli.main import main
 from dtlab.config import load_config
+from dtlab.config.strategies.registry import label as strategy_label
 from dtlab.errors import ConfigError
 from dtlab.models import GPT
-from dtlab.strategies.registry import label as strategy_label
 
 STEPS = 10
 TOL = 1e-4

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from conftest import CONFIGS, dtlab
 
-from dtlab import flops
-from dtlab.cli import build_parser
-from dtlab.compare import check_arguments, print_table
-from dtlab.machine_load import mfu_line
-from dtlab.metrics import MetricsLog
+from dtlab.cli.compare import check_arguments, print_table
+from dtlab.cli.main import build_parser
+from dtlab.instruments import flops
+from dtlab.instruments.machine_load import mfu_line
+from dtlab.instruments.metrics import MetricsLog
 
 TINY_GPT = ["model.name=gpt", "model.n_layer=1", "model.n_head=2", "model.n_embd=32",
             "model.block_size=16", "model.vocab_size=256"]
@@ -179,7 +179,7 @@ class Recorder(io.StringIO):
 def test_sample_streams_its_text_and_prints_its_rate(text_run: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """`dtlab sample` writes its text as it is generated (not at the end) and ends with its rate on stderr."""
-    from dtlab import sample as sampling
+    from dtlab.text import sample as sampling
 
     drawn: list[int] = []
     generate = sampling.generate
@@ -204,8 +204,8 @@ def test_sample_streams_its_text_and_prints_its_rate(text_run: Path,
 
 def test_streamed_text_holds_back_a_character_split_over_tokens() -> None:
     """Streamed text never shows half a character: a letter split over byte tokens is written whole."""
-    from dtlab.sample import text_pieces
-    from dtlab.tokenizer import ByteTokenizer
+    from dtlab.text.sample import text_pieces
+    from dtlab.text.tokenizer import ByteTokenizer
 
     text = "héllo ✓ ok"
     pieces = list(text_pieces(ByteTokenizer(), ByteTokenizer().encode(text)))

@@ -1,4 +1,4 @@
-"""run.deterministic, run.tf32, run.cudnn_benchmark (dtlab/numerics.py): what each sets, that a
+"""run.deterministic, run.tf32, run.cudnn_benchmark (dtlab/levers/numerics.py): what each sets, that a
 deterministic run keeps the losses (CPU kernels are deterministic already: the same bits), and
 that `compare --verify` asks for it on CUDA only."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import CONFIGS, step_losses, train
 
-from dtlab import numerics
-from dtlab.compare import verify_numerics
+from dtlab.cli.compare import verify_numerics
 from dtlab.config import load_config
+from dtlab.levers import numerics
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 

@@ -11,7 +11,7 @@ import torch
 from conftest import CONFIGS, max_rel_dev, step_losses, train
 
 from dtlab.errors import ConfigError
-from dtlab.optim import resolve_impl
+from dtlab.levers.optim import resolve_impl
 
 TINY_GPT = ("model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
             "data.synthetic.train_samples=512", "data.synthetic.val_samples=32",

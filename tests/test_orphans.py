@@ -4,7 +4,7 @@ to `dtlab comm` stops it like `train` (one line, 128 + the signal, the results s
 
 The commands run as a user runs them (`python -m dtlab`, torch elastic for 2 ranks), each in a
 session of its own; the ranks are in sessions of their own too, so the kill reaches only the
-command's own process, and what follows it is the guard's doing (dtlab/launcher_guard.py)."""
+command's own process, and what follows it is the guard's doing (dtlab/process/launcher_guard.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import CONFIGS
 
-from dtlab.launcher_guard import PID_VAR, START_VAR, launcher_env, start_time
+from dtlab.process.launcher_guard import PID_VAR, START_VAR, launcher_env, start_time
 
 COMM = ["comm", "--nproc-per-node", "2", "--min-bytes", "8", "--max-bytes", "1G", "--iters", "20"]
 LONG = ("train.max_steps=100000", "run.log_every=1", "run.progress=false")
@@ -189,7 +189,7 @@ def test_a_signal_to_dtlab_comm_stops_it_with_one_line_and_the_results_so_far(
 
 
 # ---- the guard itself, on small processes without torch ---------------------------------------
-GUARDED = ("from dtlab.launcher_guard import die_with_launcher; die_with_launcher(); "
+GUARDED = ("from dtlab.process.launcher_guard import die_with_launcher; die_with_launcher(); "
            "import time; print('started', flush=True); time.sleep(60)")
 
 
@@ -231,7 +231,7 @@ def test_a_launcher_names_itself_only_to_its_children() -> None:
     assert env == {"A": "1", PID_VAR: str(os.getpid()), START_VAR: start_time(os.getpid())}
     assert PID_VAR not in os.environ
     clean = {k: v for k, v in os.environ.items() if k not in (PID_VAR, START_VAR)}
-    proc = subprocess.run([sys.executable, "-c", "from dtlab.launcher_guard import "
+    proc = subprocess.run([sys.executable, "-c", "from dtlab.process.launcher_guard import "
                            "die_with_launcher; die_with_launcher(); import threading; "
                            "print(threading.active_count())"], env=clean, text=True,
                           capture_output=True, timeout=30)

@@ -15,7 +15,7 @@ import torch
 from conftest import dtlab, fast_launches, max_rel_dev, step_losses, train
 from safetensors.torch import save_file
 
-from dtlab.compare import loss_deviation, param_deviation, parse_spec
+from dtlab.cli.compare import loss_deviation, param_deviation, parse_spec
 from dtlab.errors import ConfigError
 
 STEPS = 24

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import dtlab, train
 
-from dtlab.profile_window import COLUMNS, PARTS, intersect, minus, step_table, union
+from dtlab.instruments.profile_window import COLUMNS, PARTS, intersect, minus, step_table, union
 
 pytestmark = pytest.mark.xdist_group("profile")
 
@@ -142,7 +142,7 @@ def test_a_snapshot_is_written_as_pytorch_reads_it(tmp_path: Path) -> None:
     """The files a CUDA snapshot becomes (the snapshot itself needs a GPU: docs/benchmarks.md)."""
     import pickle
 
-    from dtlab.memory_snapshot import write
+    from dtlab.instruments.memory_snapshot import write
 
     snapshot = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 0, "size": 512,
                                                     "stream": 0, "frames": []}]]}

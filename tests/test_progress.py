@@ -8,7 +8,7 @@ from pathlib import Path
 
 from conftest import dtlab
 
-from dtlab.metrics import MetricsLog
+from dtlab.instruments.metrics import MetricsLog
 
 
 def test_the_bar_shows_the_last_logged_loss(tmp_path: Path, capsys) -> None:

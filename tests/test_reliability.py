@@ -16,7 +16,7 @@ import torch
 from conftest import dtlab, step_losses, train
 from safetensors.torch import load_file
 
-from dtlab.checkpoint import MANIFEST, sha256, verify
+from dtlab.run.checkpoint import MANIFEST, sha256, verify
 
 STEPS = "train.max_steps=40"
 CKPT = ("train.checkpoint_every=10", "run.timeout_s=30")

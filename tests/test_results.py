@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import dtlab, train
 
-from dtlab.cli import main
+from dtlab.cli.main import main
 from dtlab.results import collect, plot_results, read_csv, write_csv, write_report
 from dtlab.results.findings import findings
 
@@ -155,7 +155,7 @@ def test_findings_draw_no_conclusion_from_unreliable_timings(shaky_runs: Path) -
 
 
 def test_compare_warns_about_an_unreliable_run() -> None:
-    from dtlab.machine_load import warning
+    from dtlab.instruments.machine_load import warning
 
     assert warning("ddp", {"timing": {"unreliable": [OVERSUBSCRIBED, LOADED]}}) == (
         f"WARN: ddp: timings unreliable ({OVERSUBSCRIBED}; {LOADED}); rerun on an idle machine "
@@ -165,7 +165,7 @@ def test_compare_warns_about_an_unreliable_run() -> None:
 
 def test_unreliable_reasons() -> None:
     """judge(): oversubscription, load from others beyond the free cores, step-time spread."""
-    from dtlab.machine_load import judge
+    from dtlab.instruments.machine_load import judge
 
     def record(cores: int, ranks: int, threads: int, others: float | None,
                load: float = 0.0) -> dict:

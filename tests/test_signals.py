@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import CONFIGS, max_rel_dev, step_losses, train
 
-from dtlab.interrupt import descendant_groups, live_groups
+from dtlab.process.interrupt import descendant_groups, live_groups
 
 STEPS = 30
 RUN = ("strategy.name=ddp", f"train.max_steps={STEPS}", "run.log_every=1", "run.progress=false")

@@ -17,10 +17,10 @@ from torch import nn
 from dtlab.config import load_config
 from dtlab.distributed import DistContext, DistEnv
 from dtlab.errors import RunError
-from dtlab.faults import Fault
+from dtlab.levers.optim import build_scheduler
 from dtlab.models import loss_fn
-from dtlab.optim import build_scheduler
-from dtlab.step import Stepper
+from dtlab.run.faults import Fault
+from dtlab.run.step import Stepper
 from dtlab.strategies.base import Strategy
 
 LR = 0.5

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import CONFIGS, dtlab
 
-from dtlab.cli import main
+from dtlab.cli.main import main
 from dtlab.errors import ConfigError
 from dtlab.sweeps.spec import expand, load_spec
 

@@ -17,9 +17,9 @@ import pytest
 import ranks
 from conftest import dtlab
 
-from dtlab import prepare as prep
-from dtlab import tokenizer
 from dtlab.data import tokens
+from dtlab.text import prepare as prep
+from dtlab.text import tokenizer
 
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven",
          "wizards", "quietly", "hum")
@@ -133,7 +133,7 @@ def test_bad_input_is_one_line(tmp_path: Path, args: list[str], message: str) ->
 
 
 def _prepare_with_a_100_kb_file_limit(argv: list[str]) -> int:
-    from dtlab.cli import main
+    from dtlab.cli.main import main
 
     resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
     return main(argv)

@@ -12,7 +12,7 @@ import torch
 from conftest import dtlab, max_rel_dev, step_losses, train
 
 from dtlab.config import TrainConfig
-from dtlab.optim import build_optimizer, build_scheduler, peak_lr
+from dtlab.levers.optim import build_optimizer, build_scheduler, peak_lr
 
 TOL = 1e-5
 SHORT = ("train.max_steps=12",)
@@ -158,7 +158,7 @@ def test_warmup_cosine_and_linear_scaling() -> None:
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's peak RSS reset")
 def test_restart_peak_closes_one_peak_and_counts_the_next_from_now() -> None:
-    from dtlab.metrics import peak_memory, restart_peak
+    from dtlab.instruments.metrics import peak_memory, restart_peak
 
     cpu, mib = torch.device("cpu"), 2**20
     big = torch.ones(256 * mib // 4)  # touched: resident

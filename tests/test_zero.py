@@ -19,7 +19,7 @@ import pytest
 import ranks
 from conftest import CONFIGS, ROOT, dtlab, fast_launches, free_port, max_rel_dev, step_losses, train
 
-from dtlab.compare import param_deviation, parse_spec
+from dtlab.cli.compare import param_deviation, parse_spec
 from dtlab.config import ConfigError, check_world, load_config
 from dtlab.data import spec_for
 from dtlab.models import build_model

@@ -4,14 +4,14 @@
     deepspeed --num_gpus N --module dtlab.train [key=value ...]   (strategy.name=deepspeed)
 
 Read `train()` top to bottom: data, model, strategy, optimizer, resume, then for each step: the
-step (dtlab/step.py), log, evaluate, checkpoint; then the summary.
+step (dtlab/run/step.py), log, evaluate, checkpoint; then the summary.
 """
 
 from __future__ import annotations
 
 # ruff: noqa: E402 - a worker's signal handling starts before its imports (torch takes seconds)
 if __name__ == "__main__":
-    from dtlab.early_exit import exit_on_signals
+    from dtlab.process.early_exit import exit_on_signals
 
     exit_on_signals()
 
@@ -25,18 +25,7 @@ from typing import Any
 
 import torch
 
-from dtlab import (
-    activation_checkpoint,
-    checkpoint,
-    files,
-    flight_recorder,
-    interrupt,
-    lora,
-    numerics,
-    run_owner,
-    state,
-)
-from dtlab.compile import compile_blocks, compiled_forward
+from dtlab import files
 from dtlab.config import (
     Config,
     check_environment,
@@ -44,6 +33,7 @@ from dtlab.config import (
     load_config,
     to_yaml,
 )
+from dtlab.config.strategies import registry
 from dtlab.data import EvalLoader, SampleUsage, TrainLoader, build_datasets, check_data_dir
 from dtlab.distributed import (
     DistContext,
@@ -54,25 +44,30 @@ from dtlab.distributed import (
     who_stopped,
 )
 from dtlab.errors import ConfigError, DtlabError, PeerError, RunError
-from dtlab.faults import Fault
-from dtlab.interrupt import Interrupted
-from dtlab.memory_snapshot import out_of_memory
-from dtlab.metrics import MetricsLog, log_step, restart_peak
+from dtlab.instruments import flight_recorder
+from dtlab.instruments.memory_snapshot import out_of_memory
+from dtlab.instruments.metrics import MetricsLog, log_step, restart_peak
+from dtlab.instruments.profile_window import windows
+from dtlab.levers import activation_checkpoint, lora, numerics
+from dtlab.levers.compile import compile_blocks, compiled_forward
+from dtlab.levers.optim import build_scheduler
 from dtlab.models import build_model, check_model, count_params, memory_format
-from dtlab.optim import build_scheduler
-from dtlab.profile_window import windows
-from dtlab.run_owner import DirectoryWatch, PeerSawRunDirGone, RunDirGone
-from dtlab.run_state import RunState, Training
-from dtlab.run_stop import (
+from dtlab.process import interrupt
+from dtlab.process.interrupt import Interrupted
+from dtlab.run import checkpoint, state
+from dtlab.run import owner as run_owner
+from dtlab.run.faults import Fault, check_fault
+from dtlab.run.owner import DirectoryWatch, PeerSawRunDirGone, RunDirGone
+from dtlab.run.run_state import RunState, Training
+from dtlab.run.step import Stepper
+from dtlab.run.stop import (
     STOP_DEADLINE_S,
     last_checkpoint,
     record_stop,
     resume_hint,
     stop_at_boundary,
 )
-from dtlab.step import Stepper
-from dtlab.strategies import registry
-from dtlab.summary import comm_breakdown, save_model, summarize
+from dtlab.run.summary import comm_breakdown, save_model, summarize
 
 
 def build(cfg: Config, ctx: DistContext) -> tuple[Training, Any, TrainLoader, EvalLoader]:
@@ -176,6 +171,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
         run.step, run.resumed_from = run.start, path
         tr.stepper.step_number = run.start
     run_owner.begin(run, ctx, cfg, path, watch)
+    check_fault(cfg.run.fault, ctx.world_size, run.total_steps)  # one that can fire
     profiler, snapshot = windows(cfg, run_dir, ctx, run.total_steps, run.start)
     log = MetricsLog(run_dir, ctx.is_main, run.total_steps, cfg.run.progress, cfg.run.tensorboard,
                      resume_step=run.start if path is not None else None)
@@ -197,7 +193,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
     tr.model.train()
     run.peaks.update(restart_peak(ctx.device, "setup"))
     try:
-        # A signal in the loop stops all ranks after the same step (dtlab/interrupt.py).
+        # A signal in the loop stops all ranks after the same step (dtlab/process/interrupt.py).
         with interrupt.deferred(STOP_DEADLINE_S):
             boundary, longest = time.perf_counter(), 0.0
             for epoch, step_idx in islice(loader.steps(run.start),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 # ruff: noqa: E402 - a worker's signal handling starts before its imports (torch takes seconds)
 if __name__ == "__main__":
-    from dtlab.early_exit import exit_on_signals
+    from dtlab.process.early_exit import exit_on_signals
 
     exit_on_signals()
 
@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtlab import interrupt
 from dtlab.comm.ops import (
     OPS,
     TYPE_NAMES,
@@ -39,8 +38,9 @@ from dtlab.comm.ops import (
 from dtlab.comm.output import Progress, stopped, write_outputs
 from dtlab.distributed import DistContext, detect_env, distributed, leave
 from dtlab.errors import DtlabError
-from dtlab.interrupt import Interrupted
-from dtlab.machine_load import LoadProbe, timing_record
+from dtlab.instruments.machine_load import LoadProbe, timing_record
+from dtlab.process import interrupt
+from dtlab.process.interrupt import Interrupted
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}

@@ -125,7 +125,7 @@ def run_comm(args: argparse.Namespace) -> int:
         from dtlab.comm.bench import main
 
         return main(forwarded)
-    from dtlab.launch import launch
+    from dtlab.process.launch import launch
 
     return launch(forwarded, args.nproc_per_node, module="dtlab.comm.bench")
 

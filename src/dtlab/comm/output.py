@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtlab import interrupt
 from dtlab.files import cause, replace_whole
-from dtlab.interrupt import Interrupted
+from dtlab.process import interrupt
+from dtlab.process.interrupt import Interrupted
 
 
 @dataclass

@@ -20,9 +20,9 @@ from pydantic import (
     model_validator,
 )
 
+from dtlab.config.options import Section
+from dtlab.config.strategies import registry
 from dtlab.errors import ConfigError
-from dtlab.options import Section
-from dtlab.strategies import registry
 
 STRATEGIES = registry.NAMES
 
@@ -151,7 +151,7 @@ class DataConfig(Section):
 
 # ----------------------------------------------------------------------------------------- train
 class LoraConfig(Section):
-    """LoRA adapters (dtlab/lora.py, the `lora` extra): rank 0 = off (the whole model trains)."""
+    """LoRA adapters (dtlab/levers/lora.py, the `lora` extra): rank 0 = off (the whole model trains)."""
 
     rank: NonNegativeInt = 0
     alpha: PositiveFloat = 16.0  # the adapters' update is scaled by alpha / rank
@@ -173,7 +173,7 @@ class TrainConfig(Section):
         0.999,
     )
     weight_decay: NonNegativeFloat = 0.0
-    # auto: fused where the parameters' device has fused kernels, else foreach (dtlab/optim.py)
+    # auto: fused where the parameters' device has fused kernels, else foreach (dtlab/levers/optim.py)
     optimizer_impl: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
     schedule: Literal["constant", "cosine"] = "cosine"
     warmup_steps: NonNegativeInt = 0
@@ -181,7 +181,7 @@ class TrainConfig(Section):
     lr_scale_base_batch: PositiveInt | None = None  # linear scaling: lr x global_batch / this
     grad_clip: NonNegativeFloat = 0.0  # max global grad norm, 0 = off
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    # torch.compile: none, the wrapped model, or each block before wrapping (dtlab/compile.py);
+    # torch.compile: none, the wrapped model, or each block before wrapping (dtlab/levers/compile.py);
     # true/false mean model/none
     compile: Literal["none", "model", "blocks"] = "none"
     # torch.compile's backend (torchtitan's compile.backend): aot_eager traces without inductor's
@@ -232,7 +232,7 @@ class FaultConfig(Section):
 
 class ProfileConfig(Section):
     """A torch.profiler window over steps [start, start + steps) of the run: a trace per rank and
-    the step split into data, compute, optimizer and communication (dtlab/profile_window.py)."""
+    the step split into data, compute, optimizer and communication (dtlab/instruments/profile_window.py)."""
 
     start: PositiveInt = 5  # after the first steps' warm-up
     steps: NonNegativeInt = 0  # 0 = off
@@ -243,7 +243,7 @@ class ProfileConfig(Section):
 
 class MemorySnapshotConfig(Section):
     """CUDA: the allocator's history over steps [start, start + steps), for PyTorch's memory
-    viewer (dtlab/memory_snapshot.py). On CPU the profiler's memory timeline is written instead."""
+    viewer (dtlab/instruments/memory_snapshot.py). On CPU the profiler's memory timeline is written instead."""
 
     start: PositiveInt = 2  # the first step allocates the optimizer state
     steps: NonNegativeInt = 0  # 0 = off
@@ -266,7 +266,7 @@ class LabConfig(Section):
 class RunConfig(Section):
     dir: str | None = None  # None = runs/<config name>-<strategy>
     # a run that starts over (resume=none) deletes an earlier run's checkpoints, metrics and
-    # summary in run.dir first; without it, it refuses to start beside them (dtlab/run_owner.py)
+    # summary in run.dir first; without it, it refuses to start beside them (dtlab/run/owner.py)
     overwrite: bool = False
     log_every: PositiveInt = 10
     timing_warmup_steps: NonNegativeInt = 3  # excluded from the medians
@@ -276,23 +276,23 @@ class RunConfig(Section):
     timeout_s: PositiveFloat = 300.0  # process-group timeout: a stuck collective fails after this
     progress: bool | Literal["auto"] = "auto"  # progress bar; auto = when stdout is a terminal
     save_model: bool = False  # write the final full state dict to model.safetensors
-    comm_breakdown: bool = False  # after training: compute vs communication (dtlab/comm/breakdown.py)
+    comm_breakdown: bool = False  # after training: compute vs communication (dtlab/instruments/breakdown.py)
     breakdown_steps: int = Field(12, ge=2)  # steps per breakdown phase (the first is a warm-up)
     profile_trace: bool = False  # with comm_breakdown: Chrome/Perfetto trace_rank<r>.json
     fault: FaultConfig = Field(default_factory=FaultConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     memory_snapshot: MemorySnapshotConfig = Field(default_factory=MemorySnapshotConfig)
     # collectives each rank remembers, written to RUN_DIR/flight_recorder/ when a run fails or is
-    # stopped (dtlab/flight_recorder.py); 0 = off
+    # stopped (dtlab/instruments/flight_recorder.py); 0 = off
     flight_recorder: NonNegativeInt = 2000
     # Also save a checkpoint and stop on this signal (SIGTERM always does), e.g. USR1 with
     # `sbatch --signal=USR1@90`: docs/reliability.md#signals
     checkpoint_signal: Literal["USR1", "USR2"] | None = None
-    # a rank's peak TFLOP/s for MFU, when the device is not in dtlab/flops.py's table
+    # a rank's peak TFLOP/s for MFU, when the device is not in dtlab/instruments/flops.py's table
     peak_tflops: float | None = None
     tensorboard: bool = False
     track_samples: bool = False  # count how often each training sample was used (summary.json)
-    # numerics (dtlab/numerics.py): the same bits on every run of a command (GPU), TF32 matmuls
+    # numerics (dtlab/levers/numerics.py): the same bits on every run of a command (GPU), TF32 matmuls
     # and convolutions (fp32 runs on Ampere and later), cuDNN autotuning (auto: on CUDA unless
     # deterministic)
     deterministic: bool = False

@@ -6,8 +6,8 @@ from __future__ import annotations
 import importlib.util
 
 from dtlab.config.schema import Config
+from dtlab.config.strategies import registry
 from dtlab.errors import ConfigError
-from dtlab.strategies import registry
 
 
 def model_parallel_size(cfg: Config, world_size: int) -> int:

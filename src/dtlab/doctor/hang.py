@@ -1,5 +1,5 @@
 """`dtlab doctor hang RUN_DIR`: which rank stopped at which collective, from the flight-recorder
-dumps a failed or stopped run left in RUN_DIR/flight_recorder (dtlab/flight_recorder.py).
+dumps a failed or stopped run left in RUN_DIR/flight_recorder (dtlab/instruments/flight_recorder.py).
 
 Collectives are numbered per process group (`collective_seq_id`) in the order each rank issued
 them, so in a hang the ranks that stopped taking part have the lowest last number: the next number
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.errors import DtlabError
-from dtlab.flight_recorder import DIR, NCCL_PREFIX
+from dtlab.instruments.flight_recorder import DIR, NCCL_PREFIX
 
 ELEMENT_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4,
                  "Short": 2, "Byte": 1, "Char": 1, "Bool": 1}

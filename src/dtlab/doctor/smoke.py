@@ -22,7 +22,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from dtlab.doctor import Check, fail, ok, skip
-from dtlab.launcher_guard import die_with_launcher, launcher_env
+from dtlab.process.launcher_guard import die_with_launcher, launcher_env
 
 MARK = "dtlab-smoke "
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",

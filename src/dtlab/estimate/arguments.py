@@ -9,9 +9,9 @@ import math
 from typing import Any
 
 from dtlab.cli_args import integer, number
+from dtlab.config.strategies import registry
 from dtlab.errors import DtlabError
 from dtlab.estimate.memory import PRECISIONS
-from dtlab.strategies import registry
 
 GB = 1e9
 MAX_PARAMS = 1e15  # a thousand times the largest models trained; beyond it the arithmetic is moot

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from dtlab.config.strategies import registry
 from dtlab.errors import DtlabError
 from dtlab.estimate.arguments import (  # noqa: F401 (dtlab.cli takes the add_* from here)
     DEFAULT_STRATEGIES,
@@ -23,7 +24,6 @@ from dtlab.estimate.arguments import (  # noqa: F401 (dtlab.cli takes the add_* 
     validate,
 )
 from dtlab.estimate.memory import PRECISIONS
-from dtlab.strategies import registry
 
 
 # ------------------------------------------------------------------------------ building a setup
@@ -66,7 +66,7 @@ def build_setup(args: argparse.Namespace, world: int) -> Any:
 
 def config_checkpointing(model: Any) -> bool | tuple[int, ...]:
     """The blocks a config's train.activation_checkpointing recomputes (full: all)."""
-    from dtlab.activation_checkpoint import chosen_blocks
+    from dtlab.levers.activation_checkpoint import chosen_blocks
 
     t = model.cfg.train
     if t.activation_checkpointing != "selective" or model.segments is None:

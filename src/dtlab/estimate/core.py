@@ -15,12 +15,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dtlab.config import Config
+from dtlab.config.strategies import registry
 from dtlab.errors import DtlabError
 from dtlab.estimate import activations, comm, memory
 from dtlab.estimate.measure import MAX_WORLD, NotMeasured, RankBytes, measure, meta_model
 from dtlab.estimate.memory import OPTIMIZER_BYTES, PRECISIONS, Kind, Plan, Precision
 from dtlab.models import count_params
-from dtlab.strategies import registry
 
 MEASURED, IDEAL = "measured (fake backend)", "modelled (ideal layout)"  # sources of state bytes
 
@@ -145,8 +145,8 @@ def strategy_config(setup: Setup, token: str) -> Config | None:
     """The config of a dtlab strategy spec (fsdp1:SHARD_GRAD_OP...) on the setup's model; None
     for the ideal layouts (zero2, hybrid:4...) or a model given by its parameter count. A token
     that is neither, or a dtlab spec that is invalid or made for another world size, is refused."""
-    from dtlab.compare import parse_spec
     from dtlab.config import load_config
+    from dtlab.config.strategies.registry import parse as parse_spec
     from dtlab.errors import ConfigError
 
     name = token.partition(":")[0].partition("@")[0].partition("+")[0]

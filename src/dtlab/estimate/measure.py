@@ -77,8 +77,8 @@ def measure_rank(cfg: Config, rank: int, world: int, ranks_per_node: int,
     from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
     from torch.nn.parallel import DistributedDataParallel
 
+    from dtlab.config.strategies import registry
     from dtlab.distributed import DistContext, DistEnv
-    from dtlab.strategies import registry
 
     with fake_group(rank, world):
         env = DistEnv(rank, rank % ranks_per_node, world, ranks_per_node, launcher="env")

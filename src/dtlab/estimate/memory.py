@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from dtlab.config.strategies import registry
 from dtlab.errors import DtlabError
-from dtlab.strategies import registry
 
 
 @dataclass(frozen=True)

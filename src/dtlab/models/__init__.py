@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtlab import lora as adapters
 from dtlab.config import ModelConfig
 from dtlab.data import DataSpec
+from dtlab.levers import lora as adapters
 from dtlab.models.cnn import SimpleCNN
 from dtlab.models.gpt import GPT
 from dtlab.models.resnet import ResNet

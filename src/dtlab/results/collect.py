@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from dtlab.config.strategies import registry
 from dtlab.errors import DtlabError
-from dtlab.strategies import registry
 
 RANK_KEYS = ("nproc_per_node", "nnodes")  # the x axis, not a series
 # keys that name a strategy variant: part of the strategy label, not of the series

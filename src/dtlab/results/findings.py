@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from dtlab.strategies import registry
+from dtlab.config.strategies import registry
 
 MiB = 1024 * 1024
 

@@ -18,13 +18,13 @@ from urllib.parse import quote
 
 import yaml
 
+from dtlab.config.strategies import registry
 from dtlab.results import run_plots
 from dtlab.results.collect import check_shape, read_json
 from dtlab.results.outputs import check_replaceable, write_output
 from dtlab.results.plot import _pyplot
 from dtlab.results.run_html import RUN_STYLE, MiB, esc, figure, fmt, missing, pairs, table
 from dtlab.results.run_plots import PROFILE_COLUMNS, number
-from dtlab.strategies import registry
 
 
 def is_run_dir(path: Path) -> bool:
@@ -191,7 +191,7 @@ FILES = [("profile/trace_rank*.json", PERFETTO), ("trace_rank*.json", PERFETTO),
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint (its manifest written last), found without importing torch
-    as dtlab.checkpoint would."""
+    as dtlab.run.checkpoint would."""
     found = [(int(m.group(1)), p) for p in (run_dir / "checkpoints").glob("step_*")
              if (m := re.fullmatch(r"step_(\d+)", p.name))
              and (p / "dtlab-checkpoint.json").is_file()]
@@ -226,7 +226,7 @@ def file_links(run_dir: Path, out: Path) -> list[str]:
 
 def stopped_ranks(run_dir: Path) -> dict[str, str]:
     """A failed run writes no run.json, but its ranks' flight-recorder dumps say why each
-    stopped (dtlab/flight_recorder.py)."""
+    stopped (dtlab/instruments/flight_recorder.py)."""
     reasons = []
     for path in sorted((run_dir / "flight_recorder").glob("rank*.json")):
         head = (read_json(path) or {}).get("dtlab") or {}

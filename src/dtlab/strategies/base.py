@@ -7,7 +7,7 @@ accumulation micro steps (`no_sync`); computes (and clips) the global gradient n
 picks the autocast/grad-scaler pair for the precision; reduces metrics over the replicas;
 evaluates; and produces state dicts.
 
-The step itself is dtlab/step.py's: it drives a `StepEngine`, by default the one below, over the
+The step itself is dtlab/run/step.py's: it drives a `StepEngine`, by default the one below, over the
 strategy's pieces. Strategies that own the whole forward/backward of a step (pipeline schedules,
 DeepSpeed's engine) return their own engine from `step_engine`, the one branch in the loop.
 """
@@ -24,10 +24,10 @@ from torch import nn
 from dtlab.config import Config
 from dtlab.data import EvalLoader
 from dtlab.distributed import DistContext
-from dtlab.metrics import state_bytes
+from dtlab.levers.optim import build_optimizer
 from dtlab.models import loss_fn
-from dtlab.optim import build_optimizer
 from dtlab.strategies import grad_norm
+from dtlab.strategies.state_bytes import state_bytes
 
 # Called on each micro batch's loss: returns (the loss to report, the tensor to backpropagate),
 # after dividing by the accumulation steps, injecting test faults and scaling for fp16.
@@ -195,7 +195,7 @@ class Strategy:
 
 class StepEngine:
     """What one optimizer step does with a model and a torch optimizer, through the strategy's
-    pieces. dtlab/step.py drives it: zero_grad, micro_step per micro batch, grad_norm, then step
+    pieces. dtlab/run/step.py drives it: zero_grad, micro_step per micro batch, grad_norm, then step
     (or skip, for a non-finite step under nan_policy=skip)."""
 
     def __init__(self, strategy: Strategy, model: nn.Module, forward: nn.Module,

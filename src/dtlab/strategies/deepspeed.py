@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtlab.config.strategies.deepspeed_config import deepspeed_config
 from dtlab.errors import ConfigError
+from dtlab.levers.optim import build_optimizer
 from dtlab.models import loss_fn
-from dtlab.optim import build_optimizer
 from dtlab.strategies import deepspeed_checkpoint as ds_checkpoint
 from dtlab.strategies.base import DTYPES, LossHook, StepEngine, Strategy
-from dtlab.strategies.deepspeed_config import deepspeed_config
 from dtlab.strategies.deepspeed_memory import held_bytes
 
 
@@ -178,7 +178,7 @@ def cast_at_the_edges(module: nn.Module, dtype: torch.dtype) -> None:
 
 
 class HeldBytes:
-    """Observes the first optimizer steps (a probe of dtlab/step.py): the bytes DeepSpeed holds
+    """Observes the first optimizer steps (a probe of dtlab/run/step.py): the bytes DeepSpeed holds
     per kind after each accumulation micro step (ZeRO 1 keeps unreduced gradients between them)
     and just before and after each step (before: all gradients; after: the optimizer state)."""
 

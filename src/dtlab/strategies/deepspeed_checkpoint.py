@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from dtlab.checkpoint import MANIFEST, complete_checkpoints
+from dtlab.config.strategies.spec import Config
 from dtlab.errors import ConfigError
-from dtlab.run_owner import start_over
-from dtlab.strategies.spec import Config
+from dtlab.run.checkpoint import MANIFEST, complete_checkpoints
+from dtlab.run.owner import start_over
 
 # The flat fp32 master partitions, by optimizer class: DeepSpeedZeroOptimizer (stages 1 and 2),
 # BF16_Optimizer (stage 1 under bf16 without offload), DeepSpeedZeroOptimizer_Stage3.

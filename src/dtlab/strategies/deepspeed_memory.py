@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
+from dtlab.config.strategies.spec import Config
 from dtlab.errors import DtlabError
-from dtlab.strategies.spec import Config
 
 MASTER = {"single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_partitioned_groups"}
 GRADS = {"averaged_gradients", "all_grad_tensors", "grads_in_partition", "grad_partitions_flat_buffer",
@@ -146,7 +146,7 @@ class ZeroOptions:
 
 def zero_options(cfg: Config, world: int, device: str = "cpu") -> ZeroOptions:
     """The options a run of `cfg` gives DeepSpeed (dtlab's own config mapping, JSON included)."""
-    from dtlab.strategies.deepspeed_config import deepspeed_config
+    from dtlab.config.strategies.deepspeed_config import deepspeed_config
 
     ds = deepspeed_config(cfg, world, device)
     zero = ds["zero_optimization"]

@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from dtlab.config.strategies.fsdp_spec import FSDPOptions
 from dtlab.strategies.base import DTYPES, Strategy
-from dtlab.strategies.fsdp_spec import FSDPOptions
 
 
 def shard(model: nn.Module, mesh: DeviceMesh, o: FSDPOptions, precision: str,

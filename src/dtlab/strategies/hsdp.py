@@ -15,8 +15,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from dtlab.config.strategies.hsdp_spec import shard_size
 from dtlab.strategies.fsdp import FSDP, shard
-from dtlab.strategies.hsdp_spec import shard_size
 
 
 class HSDP(FSDP):

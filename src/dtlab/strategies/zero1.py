@@ -20,10 +20,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from dtlab.metrics import state_bytes
-from dtlab.optim import optimizer_spec
+from dtlab.levers.optim import optimizer_spec
 from dtlab.strategies.base import StepEngine
 from dtlab.strategies.ddp import DDP
+from dtlab.strategies.state_bytes import state_bytes
 
 
 class HookStepped(StepEngine):

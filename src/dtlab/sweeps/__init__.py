@@ -15,12 +15,12 @@ import shlex
 import time
 from pathlib import Path
 
-from dtlab import interrupt
 from dtlab.config import to_yaml
-from dtlab.interrupt import Interrupted
+from dtlab.process import interrupt
+from dtlab.process.interrupt import Interrupted
+from dtlab.run.sweep_record import failure_reason, is_done, now, read_record, update_record
 from dtlab.sweeps import slurm
 from dtlab.sweeps.local import command, run_local
-from dtlab.sweeps.record import failure_reason, is_done, now, read_record, update_record
 from dtlab.sweeps.spec import PlannedRun, SweepSpec, expand, load_spec
 
 

@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from dtlab import interrupt
-from dtlab.launcher_guard import launcher_env
-from dtlab.sweeps.record import failure_reason
+from dtlab.process import interrupt
+from dtlab.process.launcher_guard import launcher_env
+from dtlab.run.sweep_record import failure_reason
 
 
 def command(config_path: Path, nproc_per_node: int) -> list[str]:
@@ -27,7 +27,7 @@ def run_local(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[str, str
     log_path = run_dir / "train.log"
     with open(log_path, "w") as log:
         # A session of its own: the launcher and its workers are stopped by signals to it. It
-        # dies with this process, however this process ends (dtlab/launcher_guard.py).
+        # dies with this process, however this process ends (dtlab/process/launcher_guard.py).
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=launcher_env())
         with interrupt.forwarding():

@@ -1,0 +1,81 @@
+"""`pp`: pipeline parallelism with torch.distributed.pipelining; options and checks
+(implementation: pp.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import NonNegativeInt, PositiveInt
+
+from dtlab.config.options import Section
+from dtlab.config.strategies.spec import Config, StrategySpec, check_mesh
+from dtlab.errors import ConfigError
+
+KEY = "strategy.pp.degree"
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs")  # several stages per rank
+
+
+class PPOptions(Section):
+    degree: NonNegativeInt = 0  # ranks per pipeline; 0 = every rank
+    schedule: Literal[PP_SCHEDULES] = "1f1b"  # type: ignore[valid-type]
+    microbatches: PositiveInt = 4  # per micro batch (each rank's batch is split into these)
+    stages_per_rank: NonNegativeInt = 0  # 0 = 2 for interleaved_1f1b/looped_bfs, else 1
+    dp: Literal["ddp", "fsdp"] = "fsdp"  # how pipeline replicas (world / degree > 1) sync
+
+    def stages_each(self) -> int:
+        return self.stages_per_rank or (2 if self.schedule in MULTI_STAGE_SCHEDULES else 1)
+
+
+def degree(cfg: Config, world_size: int) -> int:
+    return cfg.strategy.pp.degree or world_size
+
+
+def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
+    from dtlab.config.world import micro_batch
+
+    p, m, d = cfg.strategy.pp, cfg.model, degree(cfg, world_size)
+    check_mesh(cfg, world_size, d, KEY)
+    stages = d * p.stages_each()
+    if p.schedule not in MULTI_STAGE_SCHEDULES and p.stages_each() != 1:
+        raise ConfigError(
+            f"strategy.pp.schedule={p.schedule} runs one stage per rank, not "
+            f"strategy.pp.stages_per_rank={p.stages_per_rank}; fix: stages_per_rank=1, or "
+            "schedule=interleaved_1f1b|looped_bfs"
+        )
+    if stages > m.n_layer:
+        raise ConfigError(
+            f"{d} ranks x strategy.pp.stages_per_rank={p.stages_each()} = {stages} pipeline "
+            f"stages, more than model.n_layer={m.n_layer} blocks; fix: fewer stages or more layers"
+        )
+    if p.schedule == "1f1b" and p.microbatches < d:
+        raise ConfigError(
+            f"strategy.pp.schedule=1f1b needs strategy.pp.microbatches={p.microbatches} >= the "
+            f"pipeline degree {d}; fix: raise strategy.pp.microbatches"
+        )
+    rounds = max(1, p.microbatches // d)
+    if p.schedule == "interleaved_1f1b" and p.microbatches % rounds:
+        raise ConfigError(
+            f"strategy.pp.schedule=interleaved_1f1b needs strategy.pp.microbatches="
+            f"{p.microbatches} to be a multiple of its {rounds} rounds (microbatches // degree); "
+            f"fix: use a multiple of {d}"
+        )
+    micro = micro_batch(cfg, world_size)
+    if micro % p.microbatches:
+        raise ConfigError(
+            f"the micro batch of {micro} samples per pipeline (train.global_batch_size / "
+            f"(data-parallel size x train.grad_accum_steps)) does not split into "
+            f"strategy.pp.microbatches={p.microbatches}; fix: make it a multiple of {p.microbatches}"
+        )
+
+
+def label(options: dict[str, Any]) -> str:
+    return f"pp:{options.get('schedule', '1f1b')}"
+
+
+SPEC = StrategySpec(
+    name="pp", impl="pp:PP", about="pipeline parallelism (gpipe, 1f1b, interleaved, looped)",
+    options=PPOptions, variant=("strategy.pp.schedule", PP_SCHEDULES,
+                                              f"a schedule ({', '.join(PP_SCHEDULES)})"), mesh_key=KEY,
+    check=check, model_parallel=degree, label=label,
+)
