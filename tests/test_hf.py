@@ -132,10 +132,11 @@ def test_bad_models_are_one_line(overrides: list[str], message: str, tmp_path: P
 
 
 def test_without_transformers_the_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dtlab.config import transformers_config
     from dtlab.models import hf
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # import fails as if not installed
-    monkeypatch.setattr(hf, "_CONFIGS", {})
+    monkeypatch.setattr(transformers_config, "_CONFIGS", {})
     with pytest.raises(ConfigError, match=r"^model.name=hf needs the transformers package; "
                                           r"fix: pip install 'dtlab\[hf\]'$"):
         hf.check(load_config(None, LLAMA).model)

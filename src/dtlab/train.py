@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dtlab import files
+from dtlab import files, strategies
 from dtlab.config import (
     Config,
     check_environment,
@@ -79,7 +79,7 @@ def build(cfg: Config, ctx: DistContext) -> tuple[Training, Any, TrainLoader, Ev
     torch.manual_seed(cfg.seed + (ctx.rank if cfg.lab.per_rank_init_seed else 0))
     model = build_model(cfg.model, spec, t.lora)
     n_params = count_params(model)
-    strategy = registry.build(cfg, ctx)
+    strategy = strategies.build(cfg, ctx)
     # before wrapping, in this order: the layout, checkpointing, then compiling what it made
     memory_format.apply(model, cfg.model, ctx.device, weights=not strategy.contiguous_params)
     activation_checkpoint.apply(model, t.activation_checkpointing, t.ac_every)

@@ -30,10 +30,10 @@ from dtlab.errors import ConfigError
 from dtlab.instruments.machine_load import mfu_line, warning
 from dtlab.process.interrupt import INTERRUPT_CODES, Interrupted, forwarding, requested
 from dtlab.process.launcher_guard import launcher_env
+from dtlab.rundir.hints import RESUME_HINT_ENV
 
 MiB = 1024 * 1024
 DEFAULT_NPROC = 2  # ranks of a multi-process strategy without a mesh shape
-RESUME_HINT_ENV = "DTLAB_RESUME_HINT"  # run/stop.py's (not imported: it imports torch)
 
 
 def run_label(spec: str) -> str:

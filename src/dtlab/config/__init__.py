@@ -1,5 +1,11 @@
 """Typed configuration: the schema (`schema.py`), how files and overrides become one (`load.py`),
-and the checks that need the world size (`world.py`)."""
+the checks that need the world size (`world.py`), the device and backend a run will use
+(`device.py`), a `model.name=hf` config (`transformers_config.py`), and each strategy's description
+with the registry (`strategies/`).
+
+Above process control and the ground only, and may import only those (it uses `dtlab.errors`);
+never models, data, levers, strategies or anything above.
+"""
 
 from dtlab.config.load import (
     apply_override,

@@ -22,6 +22,7 @@ from pydantic import (
 
 from dtlab.config.options import Section
 from dtlab.config.strategies import registry
+from dtlab.config.transformers_config import hf_config
 from dtlab.errors import ConfigError
 
 STRATEGIES = registry.NAMES
@@ -116,8 +117,6 @@ class HFConfig(Section):
 
     @property
     def vocab_size(self) -> int:
-        from dtlab.models.hf import hf_config
-
         return hf_config(self).vocab_size
 
 

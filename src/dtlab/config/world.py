@@ -7,6 +7,7 @@ import importlib.util
 
 from dtlab.config.schema import Config
 from dtlab.config.strategies import registry
+from dtlab.config.strategies.spec import micro_batch_of
 from dtlab.errors import ConfigError
 
 
@@ -22,17 +23,7 @@ def data_parallel_size(cfg: Config, world_size: int) -> int:
 
 def micro_batch(cfg: Config, world_size: int) -> int:
     """Samples per replica per forward, or a ConfigError when the global batch does not split."""
-    t = cfg.train
-    dp = data_parallel_size(cfg, world_size)
-    per_step = dp * t.grad_accum_steps
-    if t.global_batch_size < per_step or t.global_batch_size % per_step:
-        what = f"world_size({world_size})" if dp == world_size else f"data-parallel size({dp})"
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} must be a positive multiple of "
-            f"{what} x train.grad_accum_steps({t.grad_accum_steps}) = {per_step}; "
-            f"fix: set train.global_batch_size to a multiple of {per_step}"
-        )
-    return t.global_batch_size // per_step
+    return micro_batch_of(cfg, world_size, model_parallel_size(cfg, world_size))
 
 
 def check_world(cfg: Config, world_size: int, local_world_size: int | None = None) -> int:
@@ -46,22 +37,6 @@ def check_world(cfg: Config, world_size: int, local_world_size: int | None = Non
     if spec.check is not None:
         spec.check(cfg, world_size, local_world_size)
     return micro_batch(cfg, world_size)
-
-
-def device_type(cfg: Config) -> str:
-    """The device type a run will use (imports torch only when run.device=auto)."""
-    if cfg.run.device != "auto":
-        return cfg.run.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def backend_type(cfg: Config) -> str:
-    """The process-group backend a run will use (dtlab/distributed.py's choice)."""
-    if cfg.run.backend != "auto":
-        return cfg.run.backend
-    return "nccl" if device_type(cfg) == "cuda" else "gloo"
 
 
 def check_environment(cfg: Config) -> None:

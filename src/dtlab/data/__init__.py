@@ -3,6 +3,9 @@
 `build_datasets` prepares the files on one rank per node (downloading if allowed) while the others
 wait, then every rank loads them. Real image datasets are held as uint8 on the training device and
 normalised per batch there.
+
+Beside the levers, under the models: may import config, process control and the ground; never
+models, strategies or anything above.
 """
 
 from __future__ import annotations

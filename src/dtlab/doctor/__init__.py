@@ -3,44 +3,22 @@
 Checks run in order, each returning a `Check`: the software (python, torch build, backends), the
 hardware (cores, memory, /dev/shm, GPUs and their topology), the launch environment variables, the
 network a launch uses (hostname, loopback, a free port, MASTER_ADDR/MASTER_PORT), and finally real
-collectives between 2 processes. Each problem carries its likely cause and the fix. Exit code 0
-when no check fails (warnings allowed), 1 when one does.
+collectives between 2 processes. Each problem carries its likely cause and the fix (a `Check`:
+check.py). Exit code 0 when no check fails (warnings allowed), 1 when one does. `hang.py` reads
+the flight recorder's dumps of a hung run.
+
+A command: may import every layer below the commands (it uses the flight recorder's file names,
+process control and the ground); never another command.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
-STATUSES = ("ok", "warn", "fail", "skip")
-
-
-@dataclass
-class Check:
-    name: str
-    status: str  # one of STATUSES
-    found: str
-    cause: str = ""
-    fix: str = ""
-    data: dict = field(default_factory=dict)  # machine-readable details for --json
-
-
-def ok(name: str, found: str, **data: object) -> Check:
-    return Check(name, "ok", found, data=data)
-
-
-def skip(name: str, found: str, **data: object) -> Check:
-    return Check(name, "skip", found, data=data)
-
-
-def warn(name: str, found: str, cause: str, fix: str, **data: object) -> Check:
-    return Check(name, "warn", found, cause, fix, data)
-
-
-def fail(name: str, found: str, cause: str, fix: str, **data: object) -> Check:
-    return Check(name, "fail", found, cause, fix, data)
+from dtlab.doctor import environment, network, smoke, system
+from dtlab.doctor.check import STATUSES, Check, guarded, skip
 
 
 @dataclass(frozen=True)
@@ -64,20 +42,7 @@ def default_nproc() -> int:
     return gpus or 2  # one GPU: one rank (a warning for 2 would be noise)
 
 
-def guarded(producer: Callable[[], Iterable[Check]], name: str) -> list[Check]:
-    """A check that crashes becomes one failed line, never a traceback that hides the others."""
-    try:
-        return list(producer())
-    except Exception as e:  # noqa: BLE001
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        return [fail(name, f"the check itself raised {type(e).__name__}: {first}",
-                     "an unexpected state of this machine (or a dtlab bug)",
-                     "run the other checks' fixes first; report this line if it persists")]
-
-
 def run_checks(opts: Options) -> list[Check]:
-    from dtlab.doctor import environment, network, smoke, system
-
     checks = guarded(system.software, "software")
     torch_ok = all(c.status != "fail" for c in checks if c.name == "torch")
     checks += guarded(system.hardware, "hardware") if torch_ok else []

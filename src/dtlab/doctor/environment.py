@@ -10,7 +10,7 @@ import os
 import socket
 from collections.abc import Mapping
 
-from dtlab.doctor import Check, fail, ok, warn
+from dtlab.doctor.check import Check, fail, ok, warn
 
 NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
          "MASTER_PORT", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES",

@@ -8,7 +8,7 @@ import socket
 import time
 from collections.abc import Mapping
 
-from dtlab.doctor import Check, fail, ok, warn
+from dtlab.doctor.check import Check, fail, ok, warn
 
 
 def checks(env: Mapping[str, str]) -> list[Check]:

@@ -21,7 +21,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from dtlab.doctor import Check, fail, ok, skip
+from dtlab.doctor.check import Check, fail, ok, skip
 from dtlab.process.launcher_guard import die_with_launcher, launcher_env
 
 MARK = "dtlab-smoke "

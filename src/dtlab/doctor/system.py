@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from dtlab.doctor import Check, fail, ok, skip, warn
+from dtlab.doctor.check import Check, fail, ok, skip, warn
 
 GiB = 1024**3
 SHM_MIN = 1 * GiB  # below this, NCCL's shared-memory transport and DataLoader workers run short

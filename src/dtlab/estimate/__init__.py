@@ -12,4 +12,7 @@ activations.py     what each model family saves for backward, and the peak durin
 comm.py            communication volume per step and its predicted time
 core.py            one estimate: a model, a setup and a strategy -> one row of numbers
 advise.py, cli.py  which strategy fits a given device memory; the commands' arguments and output
+
+A command: may import every layer below the commands (strategies, models, data, levers, config,
+comm's cost model and the ground); never another command.
 """

@@ -28,7 +28,7 @@ from dtlab.estimate.memory import PRECISIONS
 
 # ------------------------------------------------------------------------------ building a setup
 def build_setup(args: argparse.Namespace, world: int) -> Any:
-    from dtlab.config.world import backend_type
+    from dtlab.config.device import backend_type
     from dtlab.estimate import core
     from dtlab.estimate.comm import Links, load_comm_results
 

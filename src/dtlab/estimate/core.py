@@ -21,6 +21,7 @@ from dtlab.estimate import activations, comm, memory
 from dtlab.estimate.measure import MAX_WORLD, NotMeasured, RankBytes, measure, meta_model
 from dtlab.estimate.memory import OPTIMIZER_BYTES, PRECISIONS, Kind, Plan, Precision
 from dtlab.models import count_params
+from dtlab.strategies import strategy_class
 
 MEASURED, IDEAL = "measured (fake backend)", "modelled (ideal layout)"  # sources of state bytes
 
@@ -221,7 +222,7 @@ def estimate(setup: Setup, token: str) -> dict[str, Any]:
     act = None
     if m.segments is not None:
         casts = (plan.kind == Kind.ZERO3 if spec is None
-                 else registry.strategy_class(spec.name).wrapper_casts)
+                 else strategy_class(spec.name).wrapper_casts)
         mode = activation_mode(precision, casts)
         act = activations.walk(m.segments(setup.micro, mode), setup.checkpointing)
         row["activations"] = {"saved": act.saved, "peak": act.peak, "mode": mode}

@@ -77,12 +77,12 @@ def measure_rank(cfg: Config, rank: int, world: int, ranks_per_node: int,
     from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    from dtlab.config.strategies import registry
     from dtlab.distributed import DistContext, DistEnv
+    from dtlab.strategies import build
 
     with fake_group(rank, world):
         env = DistEnv(rank, rank % ranks_per_node, world, ranks_per_node, launcher="env")
-        strategy = registry.build(cfg, DistContext(env, device, "fake", 1))
+        strategy = build(cfg, DistContext(env, device, "fake", 1))
         model, optimizer = strategy.setup(meta_model(cfg).to_empty(device=device))
         # DDP's reducer wants its all-reduce's future to hold the bucket; a fake one holds nothing
         for m in (model, *getattr(strategy, "parts", ())):  # (pp's replicas: `parts`)

@@ -26,6 +26,7 @@ import torch
 from dtlab import files
 from dtlab.errors import DtlabError, RunError
 from dtlab.instruments.machine_load import mfu_line
+from dtlab.rundir.hints import intact_note
 
 if TYPE_CHECKING:
     from dtlab.config import Config
@@ -226,8 +227,6 @@ class MetricsLog:
     def _failed(self, error: OSError, path: Path, step: int | None) -> None:
         """A write failed during training: stop the run with one line (rank 0 writes alone; the
         other ranks then see their next collective fail and are stopped by the launcher)."""
-        from dtlab.run.save_failure import intact_note
-
         self._abandon()
         where = f" at step {step}" if step is not None else ""
         raise RunError(f"{files.cause(error)} while writing '{path}'{where}; "

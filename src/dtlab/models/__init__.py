@@ -1,4 +1,7 @@
-"""Model zoo. Every model has `blocks()`: the modules that FSDP wraps (shards) one by one."""
+"""Model zoo. Every model has `blocks()`: the modules that FSDP wraps (shards) one by one.
+
+Under the strategies: may import data, levers (LoRA), config and the ground; never strategies,
+instruments, the run or anything above."""
 
 from __future__ import annotations
 

@@ -13,119 +13,21 @@ only: an 8B model's shapes without reading or allocating its weights.
 
 from __future__ import annotations
 
-import difflib
-import json
-import re
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from dtlab.config.transformers_config import (
+    ATTENTION,
+    hf_config,
+    load_hf_config,
+    require_transformers,
+)
 from dtlab.errors import ConfigError
 from dtlab.models import hf_check
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# transformers' scaled-dot-product attention under a name that has no mask function: dtlab's
-# token windows are never padded or packed, so attention is plainly causal (sdpa's is_causal)
-# and transformers skips building a mask, including the packed-sequence check whose
-# `.all()` waits for the device in every forward (and cannot run on meta tensors).
-ATTENTION = "dtlab_causal_sdpa"
-_CONFIGS: dict[str, Any] = {}  # one transformers config per (path, config) in a process
-
-
-def require_transformers(what: str = "model.name=hf") -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError(f"{what} needs the transformers package; "
-                          "fix: pip install 'dtlab[hf]'") from None
-    if ATTENTION not in transformers.AttentionInterface._global_mapping:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        transformers.AttentionInterface.register(ATTENTION, sdpa_attention_forward)
-        transformers.logging.set_verbosity_error()  # no advice lines from every rank
-        transformers.logging.disable_progress_bar()  # nor a loading bar
-    return transformers
-
-
-def _check_fields(cfg: Any, fields: dict[str, Any]) -> None:
-    """transformers configs keep any keyword as an attribute: a misspelt field would be ignored
-    silently. Refuse fields that the config class neither knows nor converts (as it converts
-    Llama's older `rope_theta` into `rope_parameters`)."""
-    known, held = set(type(cfg)().to_dict()), cfg.to_dict()
-    for key in fields:
-        if key in held and key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"see {type(cfg).__name__}'s fields"
-            raise ConfigError(f"model.hf.config.{key} is not a field of {type(cfg).__name__}; "
-                              f"fix: remove it ({hint})")
-
-
-def _strict(make: Any, where: str) -> Any:
-    """A config from `make()`; a field of the wrong type (transformers' configs are strict
-    dataclasses), or fields that contradict each other (heads that do not divide the width), is
-    one line naming `where` the fields came from (model.hf.config, or a directory's config.json)."""
-    from huggingface_hub.errors import (
-        StrictDataclassClassValidationError,
-        StrictDataclassFieldValidationError,
-    )
-
-    try:
-        return make()
-    except StrictDataclassFieldValidationError as e:  # "...field 'x':\n  TypeError: why (value: v)"
-        found = re.search(r"field '(\w+)':\s*\w+: (.*) \(value: (.*)\)$", str(e), re.S)
-        field, why, value = found.groups() if found else ("?", str(e).splitlines()[-1], "?")
-        name = f"{where}.{field}" if where == "model.hf.config" else f"{where} field {field}"
-        raise ConfigError(f"{name}={value.strip(chr(39))}: {why}; fix: give it a value of that "
-                          "type") from None
-    except StrictDataclassClassValidationError as e:  # "...:\n    ValueError: why"
-        why = str(e).strip().splitlines()[-1].split(": ", 1)[-1].rstrip(".")
-        raise ConfigError(f"{where}: {why}; fix: change those fields so that they agree") from None
-
-
-def hf_config(m: Any) -> Any:
-    """The transformers config of an HFConfig (dtlab.config.HFConfig), loaded once per process:
-    the directory's config.json and/or the fields of model.hf.config."""
-    key = json.dumps([m.hf.path, m.hf.config], sort_keys=True, default=str)
-    if key not in _CONFIGS:
-        _CONFIGS[key] = _load_config(m, dict(m.hf.config or {}))
-    return _CONFIGS[key]
-
-
-def _load_config(m: Any, fields: dict[str, Any]) -> Any:
-    t = require_transformers()
-    path = m.hf.path
-    if path is not None:
-        model_type = fields.pop("model_type", None)  # the directory's config.json names it
-        if Path(path).exists() and not Path(path).is_dir():
-            raise ConfigError(f"model.hf.path '{path}' is a file; fix: give the directory that "
-                              "holds config.json and the weights")
-        if Path(path).is_dir():
-            hf_check.check_file_type(path, t.CONFIG_MAPPING)
-        try:
-            cfg = _strict(lambda: t.AutoConfig.from_pretrained(path, **fields),
-                          f"model.hf.path '{path}' (config.json{' + model.hf.config' * bool(fields)})")
-        except (OSError, ValueError) as e:
-            local = Path(path).is_dir() or path.startswith((".", "/", "~"))
-            why = ("has no readable config.json" if local else
-                   "is no local directory, and the hub is unreachable or has no such model")
-            raise ConfigError(f"model.hf.path '{path}' {why} ({str(e).splitlines()[0][:120]}); "
-                              "fix: point it at a model directory (config.json + *.safetensors), "
-                              "e.g. one written by `dtlab export --format hf`") from None
-        if model_type not in (None, cfg.model_type):
-            raise ConfigError(f"model.hf.config.model_type={model_type}, but model.hf.path "
-                              f"'{path}' holds a {cfg.model_type} model (its config.json); fix: "
-                              "remove model.hf.config.model_type: the directory names the type")
-        hf_check.check_file_fields(cfg, path)
-    else:
-        model_type = fields.pop("model_type")
-        if model_type not in t.CONFIG_MAPPING:
-            raise ConfigError(f"model.hf.config.model_type={model_type} is not a model type "
-                              "transformers knows; fix: e.g. llama, gpt2, qwen2, mistral")
-        cfg = _strict(lambda: t.AutoConfig.for_model(model_type, **fields), "model.hf.config")
-    _check_fields(cfg, fields)
-    return cfg
 
 
 def max_positions(config: Any) -> int | None:
@@ -152,7 +54,7 @@ def check(m: Any, thorough: bool = True) -> None:
     if thorough:
         hf_check.check_builds(m, config, t, ATTENTION)
         if m.hf.path is not None:
-            hf_check.check_weights(m, config, t, lambda fields: _load_config(m, fields))
+            hf_check.check_weights(m, config, t, lambda fields: load_hf_config(m, fields))
 
 
 class HFCausalLM(nn.Module):

@@ -52,48 +52,6 @@ def where_to_fix(m: Any, field: str) -> str:
     return f" in {Path(m.hf.path) / 'config.json'}"
 
 
-def check_file_type(path: str, known: Any) -> None:
-    """A directory's config.json names a model type transformers knows (`known`: its
-    CONFIG_MAPPING), said before transformers' own, longer, message."""
-    file = Path(path) / "config.json"
-    try:
-        written = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return  # transformers says what is wrong with the file itself
-    if not isinstance(written, dict):
-        raise ConfigError(f"model.hf.path: {file} holds a {type(written).__name__}, not a "
-                          "config (an object of fields); fix: write the model's config there")
-    model_type = written.get("model_type")
-    if model_type is None:
-        raise ConfigError(f"model.hf.path: {file} has no model_type; fix: add it there (e.g. "
-                          "\"model_type\": \"llama\")")
-    if model_type not in known:
-        raise ConfigError(f"model.hf.path: {file} names model_type={model_type!r}, which "
-                          "this transformers does not know; fix: correct it there (e.g. llama, "
-                          "gpt2, qwen2, mistral), or upgrade transformers")
-
-
-def check_file_fields(cfg: Any, path: str) -> None:
-    """A field of config.json that the config class neither knows nor converts, and that is
-    close to one it knows, is a misspelling. Unrelated extra keys (metadata other tools write,
-    dtlab's own) are left alone."""
-    file = Path(path) / "config.json"
-    try:
-        written = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return  # transformers read it; nothing more to say here
-    known = set(type(cfg)().to_dict()) | set(getattr(type(cfg), "attribute_map", {}))
-    held = cfg.to_dict()
-    for key in written if isinstance(written, dict) else ():
-        if key in known or key not in held or key.startswith("_"):
-            continue
-        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
-        if close:
-            raise ConfigError(f"model.hf.path '{path}': config.json field '{key}' is not a field "
-                              f"of {type(cfg).__name__} (did you mean '{close[0]}'?); fix: "
-                              f"rename it in {file}")
-
-
 def field(cfg: Any, name: str) -> Any:
     """cfg.name, None where the config has none (or only per layer, as Gemma 4's head_dim)."""
     try:

@@ -1,4 +1,7 @@
-"""From runs to answers: collect (CSV), plot (PNG/SVG), report (one HTML file)."""
+"""From runs to answers: collect (CSV), plot (PNG/SVG), report (one HTML file).
+
+Under the commands, over the loop: reads what runs wrote; may import the loop's parts and every
+layer below (it uses config, the ground); never a command."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ single, DDP, FSDP2 and FSDP1 read and write the same format, so a checkpoint loa
 size and strategy), one `rng_rank<r>.json` per rank, and `dtlab-checkpoint.json`, the manifest:
 step, config, the run that wrote it (id and config fingerprint: run/owner.py), data-order
 parameters, scheduler and scaler state, optimizer hyper-parameters, and the size and sha256 of
-every file.
+every file. (Those names, and which checkpoints are complete, are dtlab/rundir/checkpoints.py's:
+the strategies and instruments read them too.)
 
 A save writes into `.tmp-step_000120/`, writes the manifest last, and publishes the directory
 with one rename: a directory under the final name is complete; a crash leaves only a `.tmp-`
@@ -35,15 +36,16 @@ from typing import Any
 
 import torch
 
-from dtlab.errors import DtlabError
+from dtlab.run.save_failure import SaveFailure, attempt
+from dtlab.rundir.checkpoints import (
+    MANIFEST,
+    CheckpointError,
+    checkpoint_root,
+    complete_checkpoints,
+)
+from dtlab.rundir.hints import start_over
 
-MANIFEST = "dtlab-checkpoint.json"
 FORMAT = "dtlab-checkpoint/1"
-STEP_DIR = re.compile(r"^step_(\d{6,})$")
-
-
-class CheckpointError(DtlabError):
-    """A checkpoint that cannot be used: missing, incomplete, corrupt, tampered or mismatched."""
 
 
 # ------------------------------------------------------------------------------- safe metadata
@@ -83,25 +85,6 @@ def _safe_reader() -> type:
             return metadata
 
     return SafeReader
-
-
-# ------------------------------------------------------------------------------- finding them
-def checkpoint_root(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def complete_checkpoints(run_dir: Path, warn: bool = True) -> list[tuple[int, Path]]:
-    """(step, path) of every published checkpoint, oldest first."""
-    root = checkpoint_root(run_dir)
-    found = []
-    for path in sorted(root.iterdir()) if root.is_dir() else []:
-        m = STEP_DIR.match(path.name)
-        if m and (path / MANIFEST).is_file():
-            found.append((int(m.group(1)), path))
-        elif warn and path.name.startswith((".tmp-", "step_")):
-            print(f"dtlab: warning: ignoring incomplete checkpoint {path} (a save was interrupted)",
-                  file=sys.stderr)
-    return sorted(found)
 
 
 # ------------------------------------------------------------------------------------ manifest
@@ -185,8 +168,6 @@ def newest_verified(run_dir: Path, warn: bool = True) -> Path | None:
                   f"{path.name}, the newest that verifies", file=sys.stderr, flush=True)
         return path
     if skipped:
-        from dtlab.run.owner import start_over
-
         raise CheckpointError(
             f"no checkpoint in '{checkpoint_root(run_dir)}' verifies: {'; '.join(skipped)}; fix: "
             f"restore a good copy, or {start_over(run_dir)}")
@@ -239,8 +220,6 @@ def save(run_dir: Path, step: int, tensors: dict[str, Any], manifest: dict[str, 
     and the half-written directory is removed; the previous checkpoint is never touched. `watch`
     (run_owner.DirectoryWatch): a run directory deleted or replaced meanwhile gets nothing."""
     import torch.distributed.checkpoint as dcp  # here, not at start-up (DCP imports DTensor)
-
-    from dtlab.run.save_failure import SaveFailure, attempt
 
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:06d}"

@@ -25,7 +25,13 @@ from typing import Any
 
 from dtlab import files
 from dtlab.errors import ConfigError, DtlabError, PeerError, RunError
-from dtlab.run.checkpoint import MANIFEST, CheckpointError, checkpoint_root, complete_checkpoints
+from dtlab.rundir.checkpoints import (
+    CheckpointError,
+    checkpoint_root,
+    complete_checkpoints,
+    manifest_json,
+)
+from dtlab.rundir.hints import earlier_outputs, start_over
 
 # What may change when a run is resumed: how long it runs, how often it evaluates, logs and saves,
 # where and how it runs (strategy, world size, device, compile, activation checkpointing), what
@@ -102,28 +108,6 @@ def _show(values: dict[str, Any], key: str) -> str:
 
 
 # --------------------------------------------------------------------------- earlier runs' files
-def earlier_outputs(run_dir: Path) -> list[str]:
-    """What an earlier run left in run_dir: its checkpoints, metrics and summary."""
-    found = []
-    complete = complete_checkpoints(run_dir, warn=False)
-    root = checkpoint_root(run_dir)
-    if complete:
-        found.append(f"checkpoints up to step {complete[-1][0]}")
-    elif root.is_dir() and any(root.iterdir()):
-        found.append("an incomplete checkpoint")
-    found += [name for name in ("metrics.jsonl", "summary.json") if (Path(run_dir) / name).is_file()]
-    return found
-
-
-def start_over(run_dir: Path) -> str:
-    """How to start over in run_dir, true when followed: resume=none, with run.overwrite=true
-    where an earlier run's files are in the way."""
-    if earlier_outputs(run_dir):
-        return ("start over with resume=none run.overwrite=true (deleting the earlier run in run.dir), "
-                "or in another run.dir")
-    return "start over with resume=none"
-
-
 def clear_outputs(run_dir: Path) -> None:
     """Remove an earlier run's outputs, so that nothing of it can be read as this run's."""
     for pattern in OUTPUTS:
@@ -137,15 +121,6 @@ def clear_outputs(run_dir: Path) -> None:
 def restarted() -> bool:
     """A worker restarted by torch elastic: the run directory holds this launch's first attempt."""
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
-
-
-def _manifest(path: Path) -> dict[str, Any] | None:
-    """A checkpoint's manifest as JSON (not verified: resume does that), None if unreadable."""
-    try:
-        manifest = json.loads((Path(path) / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) else None
 
 
 def check_start(cfg: Any) -> None:
@@ -164,7 +139,7 @@ def check_start(cfg: Any) -> None:
         return
     ids = {}
     for _, path in complete_checkpoints(run_dir, warn=False):
-        manifest = _manifest(path)
+        manifest = manifest_json(path)
         if manifest is not None:
             ids.setdefault(run_id_of(manifest), path.name)
     known = {i: name for i, name in ids.items() if i is not None}
@@ -178,7 +153,7 @@ def check_start(cfg: Any) -> None:
         target = found[-1][1] if found else None
     else:  # resume=PATH: into its own run directory, or one without another run's files
         target = Path(cfg.resume)
-        theirs = run_id_of((_manifest(target) or {}) if target.is_dir() else {})
+        theirs = run_id_of((manifest_json(target) or {}) if target.is_dir() else {})
         found = earlier_outputs(run_dir)
         if found and not cfg.run.overwrite and not inside(target, run_dir) and \
                 (theirs is None or theirs not in known):
@@ -186,7 +161,7 @@ def check_start(cfg: Any) -> None:
                 f"run.dir '{run_dir}' holds an earlier run ({', '.join(found)}), which resuming "
                 f"'{target}' there would mix with it; fix: run.overwrite=true to delete it, or set "
                 "another run.dir")
-    manifest = _manifest(target) if target is not None else None
+    manifest = manifest_json(target) if target is not None else None
     if manifest is not None and isinstance(manifest.get("config"), dict):
         check_config(manifest, cfg.model_dump(mode="json"), target, run_dir)
 

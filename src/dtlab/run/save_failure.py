@@ -13,9 +13,9 @@ import torch
 
 from dtlab import files
 from dtlab.errors import PeerError, RunError
-from dtlab.run.checkpoint import checkpoint_root, complete_checkpoints
 from dtlab.run.owner import RunDirGone
-from dtlab.run.stop import resume_hint
+from dtlab.rundir.checkpoints import checkpoint_root, complete_checkpoints
+from dtlab.rundir.hints import intact_note
 
 
 def attempt(fn: Any, rank: int = 0) -> BaseException | None:
@@ -122,11 +122,3 @@ def _all_gather_text(ctx: Any, text: str | None) -> list[str | None]:
     out: list[str | None] = [None] * ctx.world_size
     dist.all_gather_object(out, text)
     return out
-
-
-def intact_note(run_dir: Path) -> str:
-    """Which checkpoint a rerun continues from, for the messages of a failed run."""
-    found = complete_checkpoints(run_dir, warn=False)
-    if not found:
-        return "no checkpoint was written yet (train.checkpoint_every sets how often)"
-    return f"step {found[-1][0]} is intact ({resume_hint()})"

@@ -4,7 +4,6 @@ and `run.json` in the run directory (what collect, the report and sweeps read)."
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
@@ -16,16 +15,9 @@ from dtlab.run import checkpoint, state
 from dtlab.run.owner import GONE
 from dtlab.run.run_state import RunState, Training
 from dtlab.run.sweep_record import now, read_record, update_record
+from dtlab.rundir.hints import resume_hint
 
 STOP_DEADLINE_S = 3.0  # the least time a stop waits for the step boundary
-RESUME_HINT = "resume=auto continues from it"
-# A parent that re-runs `dtlab train` its own way (compare starts over) says what a rerun does.
-RESUME_HINT_ENV = "DTLAB_RESUME_HINT"
-
-
-def resume_hint(hint: str = RESUME_HINT) -> str:
-    """What continues a stopped run, unless the parent that started it says otherwise."""
-    return os.environ.get(RESUME_HINT_ENV) or hint
 
 
 def checkpoint_signals(cfg: Config) -> set[int]:

@@ -28,8 +28,8 @@ import torch
 
 from dtlab.config.strategies.spec import Config
 from dtlab.errors import ConfigError
-from dtlab.run.checkpoint import MANIFEST, complete_checkpoints
-from dtlab.run.owner import start_over
+from dtlab.rundir.checkpoints import complete_checkpoints, manifest_json
+from dtlab.rundir.hints import start_over
 
 # The flat fp32 master partitions, by optimizer class: DeepSpeedZeroOptimizer (stages 1 and 2),
 # BF16_Optimizer (stage 1 under bf16 without offload), DeepSpeedZeroOptimizer_Stage3.
@@ -159,11 +159,8 @@ def _resume_manifest(cfg: Config) -> tuple[Path, dict[str, Any]] | None:
         path = found[-1][1]
     else:
         path = Path(cfg.resume)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return (path, manifest) if isinstance(manifest, dict) else None
+    manifest = manifest_json(path)
+    return None if manifest is None else (path, manifest)
 
 
 def check_resume(cfg: Config, current: dict[str, Any]) -> None:

@@ -5,6 +5,9 @@ timed-out one is recorded with its reason, the sweep goes on, and exits 1 at the
 results land in OUT/results.csv, OUT/plots/ and OUT/report.html. A stop signal stops the running
 run (locally: passed on to its process group; on SLURM: its jobs are cancelled), marks it
 `interrupted` and ends the sweep with one line; running the sweep again continues it.
+
+A command: may import every layer below the commands (results, the run's record, process control,
+config, the ground); never another command.
 """
 
 from __future__ import annotations

@@ -4,5 +4,7 @@ type) and the registry listing them (`registry.py`). The implementation of each 
 `dtlab/strategies/<name>.py`, named by its description's `impl`.
 
 Part of the config layer (the schema is built from these): may import `dtlab.config.options`,
-`dtlab.config.world` and the ground; never models, data, strategies' implementations or above.
+`dtlab.config.device` and the ground; never the schema, `dtlab.config.world` (which asks the
+registry), models, data, strategies' implementations or above. The registry names each
+implementation; `dtlab.strategies.build` imports it (docs/architecture.md, "Import rules").
 """

@@ -7,8 +7,9 @@ from typing import Any, Literal
 
 from pydantic import PositiveInt
 
+from dtlab.config.device import device_type
 from dtlab.config.options import Section
-from dtlab.config.strategies.spec import Config, StrategySpec
+from dtlab.config.strategies.spec import Config, StrategySpec, micro_batch_of
 from dtlab.errors import ConfigError
 
 
@@ -31,9 +32,8 @@ class DeepSpeedOptions(Section):
 
 def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
     from dtlab.config.strategies.deepspeed_config import deepspeed_config
-    from dtlab.config.world import device_type, micro_batch
 
-    micro_batch(cfg, world_size)  # a batch that does not split is the first thing to say
+    micro_batch_of(cfg, world_size)  # a batch that does not split is the first thing to say
     t = cfg.train
     if t.compile != "none":
         raise ConfigError(f"train.compile={t.compile} with strategy deepspeed is not supported; "

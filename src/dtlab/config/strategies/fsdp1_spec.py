@@ -10,6 +10,7 @@ from dtlab.config.options import Section
 from dtlab.config.strategies.spec import (
     Config,
     StrategySpec,
+    micro_batch_of,
     ring_all_reduce,
     sharded_data_parallel,
 )
@@ -48,9 +49,7 @@ def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
     o = cfg.strategy.fsdp1
     if o.sharding_strategy != "HYBRID_SHARD":
         return
-    from dtlab.config.world import micro_batch
-
-    micro_batch(cfg, world_size)  # a batch that does not split is the first thing to say
+    micro_batch_of(cfg, world_size)  # a batch that does not split is the first thing to say
     group = o.shard_group_size or local_world_size or world_size
     if group < 1 or world_size % group:
         raise ConfigError(

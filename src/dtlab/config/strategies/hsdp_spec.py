@@ -11,6 +11,7 @@ from dtlab.config.strategies import fsdp_spec
 from dtlab.config.strategies.spec import (
     Config,
     StrategySpec,
+    micro_batch_of,
     ring_all_reduce,
     sharded_data_parallel,
 )
@@ -29,9 +30,7 @@ def shard_size(cfg: Config, world_size: int, local_world_size: int | None) -> in
 
 
 def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
-    from dtlab.config.world import micro_batch
-
-    micro_batch(cfg, world_size)  # a batch that does not split is the first thing to say
+    micro_batch_of(cfg, world_size)  # a batch that does not split is the first thing to say
     group = shard_size(cfg, world_size, local_world_size)
     if world_size % group:
         raise ConfigError(

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import NonNegativeInt, PositiveInt
 
 from dtlab.config.options import Section
-from dtlab.config.strategies.spec import Config, StrategySpec, check_mesh
+from dtlab.config.strategies.spec import Config, StrategySpec, check_mesh, micro_batch_of
 from dtlab.errors import ConfigError
 
 KEY = "strategy.pp.degree"
@@ -32,8 +32,6 @@ def degree(cfg: Config, world_size: int) -> int:
 
 
 def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
-    from dtlab.config.world import micro_batch
-
     p, m, d = cfg.strategy.pp, cfg.model, degree(cfg, world_size)
     check_mesh(cfg, world_size, d, KEY)
     stages = d * p.stages_each()
@@ -60,7 +58,7 @@ def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
             f"{p.microbatches} to be a multiple of its {rounds} rounds (microbatches // degree); "
             f"fix: use a multiple of {d}"
         )
-    micro = micro_batch(cfg, world_size)
+    micro = micro_batch_of(cfg, world_size, d)
     if micro % p.microbatches:
         raise ConfigError(
             f"the micro batch of {micro} samples per pipeline (train.global_batch_size / "

@@ -2,27 +2,33 @@
 
 Config, compare, collect, estimate, the breakdown and the report ask it; nothing outside
 `dtlab/strategies/` compares a value with a strategy's name. Adding a strategy: write its module
-and its description, and add its module to MODULES below (docs/architecture.md).
+and its description, and import its description module into MODULES below
+(docs/architecture.md).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dtlab.config.strategies import (
+    ddp_spec,
+    deepspeed_spec,
+    fsdp1_spec,
+    fsdp_spec,
+    hsdp_spec,
+    pp_spec,
+    single_spec,
+    tp_spec,
+    zero1_spec,
+)
 from dtlab.config.strategies.spec import Config, StrategySpec
 from dtlab.errors import ConfigError
 
-if TYPE_CHECKING:
-    from dtlab.distributed import DistContext
-    from dtlab.strategies.base import Strategy
-
 # One description module per strategy family, in the order help texts list them.
-MODULES = ("single_spec", "ddp_spec", "fsdp_spec", "fsdp1_spec", "zero1_spec", "deepspeed_spec",
-           "tp_spec", "pp_spec", "hsdp_spec")
+MODULES = (single_spec, ddp_spec, fsdp_spec, fsdp1_spec, zero1_spec, deepspeed_spec, tp_spec,
+           pp_spec, hsdp_spec)
 SPECS: dict[str, StrategySpec] = {  # every description a module declares, in its order
-    spec.name: spec for module in MODULES
-    for spec in vars(importlib.import_module(f"dtlab.config.strategies.{module}")).values()
+    spec.name: spec for module in MODULES for spec in vars(module).values()
     if isinstance(spec, StrategySpec)
 }
 NAMES = tuple(SPECS)
@@ -38,15 +44,6 @@ def get(name: str) -> StrategySpec:
 
 def of(cfg: Config) -> StrategySpec:
     return SPECS[cfg.strategy.name]
-
-
-def strategy_class(name: str) -> type[Strategy]:
-    module, cls = get(name).impl.split(":")
-    return getattr(importlib.import_module(f"dtlab.strategies.{module}"), cls)
-
-
-def build(cfg: Config, ctx: DistContext) -> Strategy:
-    return strategy_class(cfg.strategy.name)(cfg, ctx)
 
 
 # ------------------------------------------------------------------------ NAME[:VARIANT][@SHAPE]

@@ -62,6 +62,23 @@ class StrategySpec:
         return self.label(options) if self.label else self.name
 
 
+def micro_batch_of(cfg: Config, world_size: int, model_parallel_size: int = 1) -> int:
+    """Samples per replica per forward when `model_parallel_size` ranks hold one copy of the
+    model, or a ConfigError when the global batch does not split over the replicas. (A
+    description's own check knows its model-parallel size; config/world.py asks the registry.)"""
+    t = cfg.train
+    dp = max(1, world_size // model_parallel_size)
+    per_step = dp * t.grad_accum_steps
+    if t.global_batch_size < per_step or t.global_batch_size % per_step:
+        what = f"world_size({world_size})" if dp == world_size else f"data-parallel size({dp})"
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} must be a positive multiple of "
+            f"{what} x train.grad_accum_steps({t.grad_accum_steps}) = {per_step}; "
+            f"fix: set train.global_batch_size to a multiple of {per_step}"
+        )
+    return t.global_batch_size // per_step
+
+
 def ring_all_reduce(g: float, n: int) -> float:
     """Bytes each rank sends in a ring all-reduce of g bytes over n ranks."""
     return 2 * (n - 1) / n * g

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dtlab.config.device import backend_type
 from dtlab.config.options import Section
 from dtlab.config.strategies.spec import Config, StrategySpec
 from dtlab.errors import ConfigError
@@ -23,8 +24,6 @@ def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
             "another comm_hook")
     if not z.overlap_with_ddp:
         return
-    from dtlab.config.world import backend_type
-
     if backend_type(cfg) == "gloo":
         raise ConfigError(
             "strategy.zero1.overlap_with_ddp=true needs the NCCL backend (PyTorch's "
