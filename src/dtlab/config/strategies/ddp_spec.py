@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 
 from dtlab.config.options import Section
-from dtlab.config.strategies.spec import Config, StrategySpec, ring_all_reduce
+from dtlab.config.strategies.spec import StrategySpec, ring_all_reduce
 from dtlab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlab.config import Config
 
 
 class DDPOptions(Section):

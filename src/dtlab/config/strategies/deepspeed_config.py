@@ -13,10 +13,12 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dtlab.config.strategies.spec import Config
 from dtlab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlab.config import Config
 
 DEFAULT_STAGE = 2
 # strategy.deepspeed.<option> -> zero_optimization.<key>, for the options that map one to one.

@@ -3,14 +3,17 @@ DeepSpeed config it builds: deepspeed_config.py)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import PositiveInt
 
 from dtlab.config.device import device_type
 from dtlab.config.options import Section
-from dtlab.config.strategies.spec import Config, StrategySpec, micro_batch_of
+from dtlab.config.strategies.spec import StrategySpec, micro_batch_of
 from dtlab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlab.config import Config
 
 
 class DeepSpeedOptions(Section):

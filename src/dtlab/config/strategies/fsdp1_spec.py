@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import NonNegativeInt, PositiveInt
 
 from dtlab.config.options import Section
 from dtlab.config.strategies.spec import (
-    Config,
     StrategySpec,
     micro_batch_of,
     ring_all_reduce,
     sharded_data_parallel,
 )
 from dtlab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlab.config import Config
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 LAYOUTS = {"FULL_SHARD": "zero3", "HYBRID_SHARD": "zero3", "SHARD_GRAD_OP": "zero2",

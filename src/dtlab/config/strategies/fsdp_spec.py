@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlab.config.options import Section
-from dtlab.config.strategies.spec import Config, StrategySpec, sharded_data_parallel
+from dtlab.config.strategies.spec import StrategySpec, sharded_data_parallel
 from dtlab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlab.config import Config
 
 
 class FSDPOptions(Section):

@@ -3,19 +3,21 @@ checks (implementation: hsdp.py)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import NonNegativeInt
 
 from dtlab.config.strategies import fsdp_spec
 from dtlab.config.strategies.spec import (
-    Config,
     StrategySpec,
     micro_batch_of,
     ring_all_reduce,
     sharded_data_parallel,
 )
 from dtlab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlab.config import Config
 
 
 class HSDPOptions(fsdp_spec.FSDPOptions):

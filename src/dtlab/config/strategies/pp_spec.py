@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import NonNegativeInt, PositiveInt
 
 from dtlab.config.options import Section
-from dtlab.config.strategies.spec import Config, StrategySpec, check_mesh, micro_batch_of
+from dtlab.config.strategies.spec import StrategySpec, check_mesh, micro_batch_of
 from dtlab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlab.config import Config
 
 KEY = "strategy.pp.degree"
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")

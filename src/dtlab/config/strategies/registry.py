@@ -8,7 +8,7 @@ and its description, and import its description module into MODULES below
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlab.config.strategies import (
     ddp_spec,
@@ -21,8 +21,11 @@ from dtlab.config.strategies import (
     tp_spec,
     zero1_spec,
 )
-from dtlab.config.strategies.spec import Config, StrategySpec
+from dtlab.config.strategies.spec import StrategySpec
 from dtlab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlab.config import Config
 
 # One description module per strategy family, in the order help texts list them.
 MODULES = (single_spec, ddp_spec, fsdp_spec, fsdp1_spec, zero1_spec, deepspeed_spec, tp_spec,

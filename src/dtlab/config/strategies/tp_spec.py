@@ -3,11 +3,16 @@ checks (implementation: tp.py)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import NonNegativeInt
 
 from dtlab.config.options import Section
-from dtlab.config.strategies.spec import Config, StrategySpec, check_mesh
+from dtlab.config.strategies.spec import StrategySpec, check_mesh
 from dtlab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlab.config import Config
 
 KEY = "strategy.tp.degree"
 

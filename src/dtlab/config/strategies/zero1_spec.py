@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dtlab.config.device import backend_type
 from dtlab.config.options import Section
-from dtlab.config.strategies.spec import Config, StrategySpec
+from dtlab.config.strategies.spec import StrategySpec
 from dtlab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlab.config import Config
 
 
 class Zero1Options(Section):
