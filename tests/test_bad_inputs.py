@@ -739,17 +739,23 @@ def test_bad_input_is_one_line_with_the_fix_and_exit_2(workspace: Path, what: st
     """Refused in one line naming the key or path with the fix, exit 2, nothing started or written."""
     if "unreadable.yaml" in line and os.access(workspace / "bad" / "unreadable.yaml", os.R_OK):
         pytest.skip("running as root: a file without read permission can still be read")
-    args = shlex.split(line.format(configs=CONFIGS, gpt=GPT))
+    line = refused(shlex.split(line.format(configs=CONFIGS, gpt=GPT)), workspace, quiet=True)
+    assert expected in line, line
+
+
+def refused(args: list[str], workspace: Path, quiet: bool = False) -> str:
+    """`dtlab ARGS` in workspace: exit 2 with one `dtlab: error: ...; fix: ...` line (returned),
+    no traceback, nothing left running, no file changed (`quiet`: nothing on stdout either)."""
     before, running = snapshot(workspace), children()
     proc = dtlab(*args, cwd=workspace)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
     assert lines[0].startswith("dtlab: error: ") and "; fix: " in lines[0], lines[0]
-    assert expected in lines[0], lines[0]
-    assert proc.stdout == "", proc.stdout
+    assert not quiet or proc.stdout == "", proc.stdout
     assert children() <= running, "a process started by the command is still running"
     assert snapshot(workspace) == before, "the command changed files it was not asked to"
+    return lines[0]
 
 
 def test_cases_are_distinct() -> None:
