@@ -82,11 +82,13 @@ def documents(source: Path | str, text_field: str) -> Iterator[str]:
                 try:
                     record = json.loads(line)
                     text = record[text_field]
+                    if not isinstance(text, str):  # a number or null would become "5", "None"
+                        raise TypeError(text_field)
                 except (ValueError, KeyError, TypeError):
                     raise DataError(f"{source}:{n} is not a JSON object with a '{text_field}' "
                                     "string; fix: repair the line, or name the field with "
                                     "--text-field") from None
-                yield str(text)
+                yield text
     elif source.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
