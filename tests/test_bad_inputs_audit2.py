@@ -85,6 +85,9 @@ CASES = [
      "dtlab comm --json file: writing there would replace it; fix: give --json another file name"),
     ("comm refuses to write its --csv over a user's file",
      f"{COMM} --csv {{ws}}/notes.txt", "--csv '{ws}/notes.txt' exists and is not an earlier"),
+    ("compare refuses a resume override it would silently replace",
+     "compare --strategies single --out {ws}/cmp resume=auto",
+     "resume and run.overwrite are chosen by compare"),
 ]
 
 
