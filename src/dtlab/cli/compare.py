@@ -165,6 +165,9 @@ def check_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
     if any(o.strip().startswith("run.dir=") for o in args.overrides):
         raise ConfigError("run.dir is chosen by compare (OUT/<strategy>); fix: remove the run.dir "
                           "override, and give --out DIR")
+    if any(o.strip().startswith(("resume=", "run.overwrite=")) for o in args.overrides):
+        raise ConfigError("resume and run.overwrite are chosen by compare (every comparison trains "
+                          "anew: resume=none run.overwrite=true); fix: remove that override")
     if any(o.strip().startswith("strategy.name=") for o in args.overrides):
         raise ConfigError("strategy.name is chosen by --strategies (each strategy's run sets "
                           "it); fix: remove the strategy.name override, and list the strategies "

@@ -178,8 +178,13 @@ def measure_all(args: argparse.Namespace, ctx: DistContext,
             say(f"# {op}: unsupported with 1 rank (needs a peer)")
             continue
         say(f"#\n# {op}\n{HEADER}")
-        busbws = []
+        busbws, counts = [], set()
+        type_size = torch.tensor([], dtype=dtype).element_size()
         for size in sizes(args.min_bytes, args.max_bytes, args.factor):
+            count = count_for(op, size, type_size, ctx.world_size)
+            if count in counts:  # rounds to a message already measured: one row per message
+                continue
+            counts.add(count)
             progress.doing = f"{op} of {size} B"
             try:
                 row = measure(op, size, dtype, args, ctx)

@@ -35,6 +35,8 @@ HELP = {
 METAVARS = {"min_bytes": "BYTES", "max_bytes": "BYTES", "p2p_bytes": "BYTES", "factor": "X",
             "iters": "N", "warmup": "N", "json": "FILE", "csv": "FILE", "timeout": "SECONDS"}
 MEASURING = ("json", "csv", "check", "p2p")  # options that only apply when measuring
+MIN_TIMEOUT_S = 1.0  # below it the ranks' rendezvous times out (a traceback per rank)
+MAX_SIZES = 1000  # message sizes in one sweep; --factor 2 from 8 B to 32M gives 23
 
 
 def add_comm_arguments(p: argparse.ArgumentParser) -> None:
@@ -98,6 +100,10 @@ def check_arguments(args: argparse.Namespace) -> None:
         if not math.isfinite(value) or value <= low:
             raise DtlabError(f"{flag} {value:g} is not a finite number above {low}; fix: e.g. "
                              f"{flag} {example}")
+    if args.timeout < MIN_TIMEOUT_S:
+        raise DtlabError(f"--timeout {args.timeout:g} is shorter than the ranks take to meet "
+                         f"(their rendezvous alone); fix: at least {MIN_TIMEOUT_S}, e.g. "
+                         "--timeout 300")
     if args.iters < 1 or args.warmup < 0:
         raise DtlabError(f"--iters {args.iters} --warmup {args.warmup}: at least 1 timed and 0 "
                          "untimed repetitions; fix: e.g. --iters 20 --warmup 5")
@@ -105,9 +111,49 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise DtlabError(f"--min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}; "
                          "fix: swap them, or e.g. --min-bytes 8 --max-bytes 32M")
     validate(args)
+    n_sizes, size = 0, args.min_bytes
+    while size <= args.max_bytes and n_sizes <= MAX_SIZES:  # as bench.sizes steps
+        n_sizes, size = n_sizes + 1, max(int(size * args.factor), size + 1)
+    if n_sizes > MAX_SIZES:
+        raise DtlabError(f"--factor {args.factor:g} from {args.min_bytes} to {args.max_bytes} "
+                         f"bytes makes more than {MAX_SIZES} message sizes (hours of measuring); "
+                         "fix: a larger --factor, e.g. --factor 2, or a narrower --min-bytes/"
+                         "--max-bytes range")
+    _check_device(args)
+    if args.json and args.csv and Path(args.json).resolve() == Path(args.csv).resolve():
+        raise DtlabError(f"--json and --csv name the same file '{args.json}', and one would "
+                         "replace the other; fix: give them different names, e.g. --json comm.json "
+                         "--csv comm.csv")
     for flag, path in (("--json", args.json), ("--csv", args.csv)):
         if path:
             output_file(flag, path, f"comm.{flag[2:]}")
+            _check_replaceable(flag, Path(path))
+
+
+def _check_device(args: argparse.Namespace) -> None:
+    """--device cuda or --backend nccl on a machine without CUDA: one line here, in the flags'
+    own names, instead of one per rank naming run.device."""
+    import torch
+
+    asked = [f for f, v in (("--device cuda", args.device == "cuda"),
+                            ("--backend nccl", args.backend == "nccl")) if v]
+    if asked and not torch.cuda.is_available():
+        raise DtlabError(f"{' '.join(asked)} needs a CUDA device, and none is visible; fix: "
+                         "--device cpu --backend gloo, or leave both at auto")
+
+
+def _check_replaceable(flag: str, path: Path) -> None:
+    """Replace only an earlier --json/--csv (or an empty file): a file of the user's is kept."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb") as f:
+        head = f.read(64).lstrip()
+    earlier = head.startswith(b"[") and b'"op"' in head if flag == "--json" else \
+        head.startswith(b"op,")
+    if not earlier:
+        raise DtlabError(f"{flag} '{path}' exists and is not an earlier dtlab comm {flag} file: "
+                         f"writing there would replace it; fix: give {flag} another file name, or "
+                         "move that file away first")
 
 
 def run_comm(args: argparse.Namespace) -> int:

@@ -128,12 +128,15 @@ class MetricsLog:
             self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
 
     def _history(self, path: Path, resume_step: int) -> list[str]:
-        """The records up to the resumed step (a crash can leave a torn last line: dropped)."""
+        """The records up to the resumed step (a crash can leave a torn last line, a disk or a
+        hand damaged ones: dropped)."""
         kept = []
-        for line in path.read_text().splitlines() if path.is_file() else []:
+        for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
             try:
                 record = json.loads(line)
             except ValueError:
+                continue
+            if not isinstance(record, dict) or not isinstance(record.get("step", 0), int):
                 continue
             if record.get("step", 0) <= resume_step:
                 kept.append(line)

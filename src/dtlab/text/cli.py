@@ -61,7 +61,7 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="T", help="softmax temperature; 0 = always the most likely token")
     p.add_argument("--top-k", type=integer(0, "--top-k 50"), default=50, metavar="K",
                    help="sample among the K most likely tokens; 0 = all (default 50)")
-    p.add_argument("--seed", type=integer(0, "--seed 0"), default=0, metavar="S",
+    p.add_argument("--seed", type=integer(0, "--seed 0", 2**63 - 1), default=0, metavar="S",
                    help="the generator's seed: the same command prints the same text")
     p.add_argument("--samples", type=integer(1, "--samples 3"), default=1, metavar="N",
                    help="independent samples (seeds S, S+1, ...)")

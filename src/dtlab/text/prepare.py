@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from multiprocessing import get_context
 from pathlib import Path
@@ -80,11 +82,13 @@ def documents(source: Path | str, text_field: str) -> Iterator[str]:
                 try:
                     record = json.loads(line)
                     text = record[text_field]
+                    if not isinstance(text, str):  # a number or null would become "5", "None"
+                        raise TypeError(text_field)
                 except (ValueError, KeyError, TypeError):
                     raise DataError(f"{source}:{n} is not a JSON object with a '{text_field}' "
                                     "string; fix: repair the line, or name the field with "
                                     "--text-field") from None
-                yield str(text)
+                yield text
     elif source.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -218,7 +222,7 @@ def _tokenize(sources: list[Path | str], tok: tokenizers.Tokenizer, tokenizer: s
         with open(stream, "wb") as f:
             pool = None
             if workers > 1 and (size >= POOL_FROM_BYTES or len(local) < len(sources)):
-                pool = get_context("spawn").Pool(workers, _start_worker, (tokenizer,))
+                pool = _start_pool(workers, tokenizer)
                 encoded = pool.imap(_encode_in_worker, _chunks(sources, text_field))
             else:
                 encoded = (_encode(tok, chunk) for chunk in _chunks(sources, text_field))
@@ -232,13 +236,32 @@ def _tokenize(sources: list[Path | str], tok: tokenizers.Tokenizer, tokenizer: s
                 _write(out, f.flush)  # so that closing the file has nothing left to write
             finally:
                 if pool is not None:
-                    pool.terminate()
+                    _stop_pool(pool)
         meta = _write(out, _split, stream, new, dtype, total, val_fraction)
     finally:
         stream.unlink(missing_ok=True)
         if bar is not None:
             bar.close()
     return {**meta, "documents": docs}
+
+
+def _start_pool(workers: int, tokenizer: str) -> Any:
+    """The encoding workers, started with Ctrl-C ignored: Ctrl-C reaches the whole process group,
+    and a worker that dies of it prints a traceback; this process stops them instead."""
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the spawned workers
+    try:
+        return get_context("spawn").Pool(workers, _start_worker, (tokenizer,))
+    finally:
+        signal.signal(signal.SIGINT, ignored)
+
+
+def _stop_pool(pool: Any, wait_s: float = 3.0) -> None:
+    """pool.terminate(), without waiting for ever: when a signal killed a worker while a chunk was
+    being sent to it, the pool's sending thread stays blocked on that chunk and terminate() would
+    wait for it (a hang). The workers are daemon processes, ended at exit in any case."""
+    stopper = threading.Thread(target=pool.terminate, daemon=True)
+    stopper.start()
+    stopper.join(wait_s)
 
 
 def _write(out: Path, write: Any, *args: Any) -> Any:

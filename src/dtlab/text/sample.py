@@ -164,6 +164,10 @@ def sample(source: Path, prompt: str, tokens: int, temperature: float, top_k: in
     tokens generated and the seconds they took."""
     cfg, model = load(source)
     tok = tokenizers.from_meta(Path(cfg.data.dir)) if cfg.data.name == "tokens" else None
+    if cfg.data.name == "tokens" and tok is None:  # else its prompt would be taken as token ids
+        raise DtlabError(f"the run trained on the token data in '{cfg.data.dir}', whose meta.json "
+                         "(naming its tokenizer) is missing or unreadable; fix: put the data set "
+                         "back there, or prepare it again there with dtlab prepare")
     ids = prompt_ids(cfg, tok, prompt)
     check_tokens(tokens, len(ids), cfg.model.block_size)
     started = time.perf_counter()
