@@ -324,7 +324,8 @@ COST = {"slurm": 105, "test_signals": 82, "guide-08-failure-modes.md": 74, "guid
         "test_grad_norm": 4, "test_text": 8, "test_hf": 40, "test_export_hf": 11,
         "test_lora": 10, "guide-10-your-own-model.md": 13, "test_deepspeed_checkpoint": 10,
         "test_run_report": 9, "test_profile": 10, "test_orphans": 45, "test_run_dir": 20,
-        "test_bad_inputs_26": 12, "test_numbers_friction": 10, "test_atomic_writes": 8}
+        "test_bad_inputs_26": 12, "test_numbers_friction": 10, "test_atomic_writes": 8,
+        "test_bad_inputs_audit2": 8}
 
 
 @pytest.hookimpl(tryfirst=True)
