@@ -22,6 +22,7 @@ from conftest import cli, dtlab
 
 GPT = "model.name=gpt model.n_layer=1 model.n_embd=16 model.n_head=2 model.block_size=16"
 COMM = "comm --max-bytes 64 --iters 1"
+FINISHED = "train.max_steps=4 train.checkpoint_every=2 run.progress=false"
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -36,6 +37,10 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (ws / "number_text.jsonl").write_text('{"text": 5}\n')
     (ws / "notes.txt").write_text("a user's notes\n")
     no_meta_run(ws / "no_meta_run", ws / "moved_tokens")
+    (ws / "file_run").mkdir()
+    (ws / "file_run" / "checkpoints").write_text("a user's notes\n")
+    done = dtlab("train", *FINISHED.split(), f"run.dir={ws}/finished")
+    assert done.returncode == 0, done.stderr
     return ws
 
 
@@ -85,6 +90,14 @@ CASES = [
      "dtlab comm --json file: writing there would replace it; fix: give --json another file name"),
     ("comm refuses to write its --csv over a user's file",
      f"{COMM} --csv {{ws}}/notes.txt", "--csv '{ws}/notes.txt' exists and is not an earlier"),
+    ("comm refuses a message size whose buffers cannot fit in host memory",
+     "comm --max-bytes 1024G --iters 1", "needs about 6144.0 GiB of host memory on 2 ranks"),
+    ("train refuses a run.dir holding a user's file where its checkpoints go",
+     "train train.max_steps=2 run.dir={ws}/file_run",
+     "holds 'checkpoints', which is not a directory"),
+    ("resuming a run past the new train.max_steps is refused instead of a summary of no step",
+     "train train.max_steps=2 train.checkpoint_every=2 run.progress=false run.dir={ws}/finished",
+     "is at step 4, past this run's last step 2; fix: train.max_steps=4 or more"),
     ("compare refuses a resume override it would silently replace",
      "compare --strategies single --out {ws}/cmp resume=auto",
      "resume and run.overwrite are chosen by compare"),
@@ -107,7 +120,7 @@ def test_refused_in_one_line(workspace: Path, case: str, command: str, message: 
 
 POOL_STOP = """
 import os, signal, sys, time
-from dtlab import prepare
+from dtlab.text import prepare
 pool = prepare._start_pool(2, "bytes")
 pids = [p.pid for p in pool._pool]
 ignored = [int(open(f"/proc/{pid}/status").read().split("SigIgn:")[1].split()[0], 16)

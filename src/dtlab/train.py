@@ -170,6 +170,10 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
         run.start, run.run_id = manifest["step"], run_owner.run_id_of(manifest) or ""
         run.step, run.resumed_from = run.start, path
         tr.stepper.step_number = run.start
+        if run.start > run.total_steps:  # its summary would describe no step at all
+            raise ConfigError(f"checkpoint {path} is at step {run.start}, past this run's last "
+                              f"step {run.total_steps}; fix: train.max_steps={run.start} or more "
+                              "to continue it, or resume=none run.overwrite=true to start over")
     run_owner.begin(run, ctx, cfg, path, watch)
     check_fault(cfg.run.fault, ctx.world_size, run.total_steps)  # one that can fire
     profiler, snapshot = windows(cfg, run_dir, ctx, run.total_steps, run.start)

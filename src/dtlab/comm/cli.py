@@ -140,6 +140,28 @@ def _check_device(args: argparse.Namespace) -> None:
     if asked and not torch.cuda.is_available():
         raise DtlabError(f"{' '.join(asked)} needs a CUDA device, and none is visible; fix: "
                          "--device cpu --backend gloo, or leave both at auto")
+    if args.device == "cuda" or (args.device != "cpu" and torch.cuda.is_available()):
+        return
+    # On CPU every rank holds a message's input and output (and a check's copy) in this host's
+    # memory: a size that cannot fit would end in an allocation failure gloo misreports.
+    need, free = 3 * args.max_bytes * args.nproc_per_node, _available_bytes()
+    if free is not None and need > free:
+        fits = 1 << max(3, int(free // (3 * args.nproc_per_node)).bit_length() - 1)
+        raise DtlabError(f"--max-bytes {args.max_bytes} needs about {need / 2**30:.1f} GiB of "
+                         f"host memory on {args.nproc_per_node} ranks (3 buffers each), and "
+                         f"{free / 2**30:.1f} GiB is available; fix: --max-bytes {fits} or less")
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _check_replaceable(flag: str, path: Path) -> None:

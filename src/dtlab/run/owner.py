@@ -128,6 +128,11 @@ def check_start(cfg: Any) -> None:
     run_dir = cfg.run.run_dir
     if not Path(run_dir).is_dir() or restarted():
         return
+    root = checkpoint_root(run_dir)
+    if os.path.lexists(root) and not root.is_dir():  # a file of the user's, not dtlab's
+        raise ConfigError(f"run.dir '{run_dir}' holds '{root.name}', which is not a directory: "
+                          "that is where the run keeps its checkpoints; fix: move that file "
+                          "away, or choose another run.dir")
     if cfg.resume == "none":
         found = earlier_outputs(run_dir)
         if found and not cfg.run.overwrite:
