@@ -750,7 +750,7 @@ def refused(args: list[str], workspace: Path, quiet: bool = False) -> str:
     proc = dtlab(*args, cwd=workspace)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr and len(lines) == 1, proc.stderr
     assert lines[0].startswith("dtlab: error: ") and "; fix: " in lines[0], lines[0]
     assert not quiet or proc.stdout == "", proc.stdout
     assert children() <= running, "a process started by the command is still running"
