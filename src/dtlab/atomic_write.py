@@ -178,3 +178,21 @@ def write_atomic(path: Path, write: Callable[[Path], object], doing: str, key: s
             raise
         raise error(describe(os_error, doing, key)) from None
     return path
+
+
+def check_replaceable(path: Path, what: str, earlier: Callable[[bytes], bool], fix: str,
+                      flag: str = "") -> None:
+    """Refuse to replace a file that is not an earlier output of ours: `earlier(head)` tests its
+    first 512 bytes; an empty file holds nothing to lose. The line names `what` it should have
+    been and the `fix` (another name), or moving the file away."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        head = b""
+    if not earlier(head):
+        raise DtlabError(f"{flag + ' ' if flag else ''}'{path}' exists and is not {what}: writing "
+                         f"there would replace it; fix: {fix}, or move that file away first")

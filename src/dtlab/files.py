@@ -113,6 +113,19 @@ def check_writable_dir(path: Path, key: str, beside: bool = False) -> None:
         raise DtlabError(describe(e, f"creating a file {where} {key} '{path}'", key)) from None
 
 
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes (MemTotal, MemAvailable, ...); {} where it cannot be read."""
+    info = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                info[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return {}
+    return info
+
+
 def free_bytes(path: Path) -> int | None:
     """Free bytes on the file system holding `path` (its nearest existing parent)."""
     for p in (Path(path), *Path(path).parents):

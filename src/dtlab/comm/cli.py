@@ -11,8 +11,10 @@ import json
 import math
 from pathlib import Path
 
+from dtlab.atomic_write import check_replaceable
 from dtlab.cli_args import input_file, integer, output_file
 from dtlab.errors import DtlabError
+from dtlab.files import meminfo
 
 # The benchmark's own options (dtlab/comm/bench.py) as `dtlab comm --help` explains them.
 HELP = {
@@ -144,7 +146,7 @@ def _check_device(args: argparse.Namespace) -> None:
         return
     # On CPU every rank holds a message's input and output (and a check's copy) in this host's
     # memory: a size that cannot fit would end in an allocation failure gloo misreports.
-    need, free = 3 * args.max_bytes * args.nproc_per_node, _available_bytes()
+    need, free = 3 * args.max_bytes * args.nproc_per_node, meminfo().get("MemAvailable")
     if free is not None and need > free:
         fits = 1 << max(3, int(free // (3 * args.nproc_per_node)).bit_length() - 1)
         raise DtlabError(f"--max-bytes {args.max_bytes} needs about {need / 2**30:.1f} GiB of "
@@ -152,30 +154,15 @@ def _check_device(args: argparse.Namespace) -> None:
                          f"{free / 2**30:.1f} GiB is available; fix: --max-bytes {fits} or less")
 
 
-def _available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def _check_replaceable(flag: str, path: Path) -> None:
     """Replace only an earlier --json/--csv (or an empty file): a file of the user's is kept."""
-    if not path.is_file() or path.stat().st_size == 0:
-        return
-    with open(path, "rb") as f:
-        head = f.read(64).lstrip()
-    earlier = head.startswith(b"[") and b'"op"' in head if flag == "--json" else \
-        head.startswith(b"op,")
-    if not earlier:
-        raise DtlabError(f"{flag} '{path}' exists and is not an earlier dtlab comm {flag} file: "
-                         f"writing there would replace it; fix: give {flag} another file name, or "
-                         "move that file away first")
+    def earlier(head: bytes) -> bool:
+        head = head[:64].lstrip()
+        return head.startswith(b"[") and b'"op"' in head if flag == "--json" else \
+            head.startswith(b"op,")
+
+    check_replaceable(path, f"an earlier dtlab comm {flag} file", earlier,
+                      f"give {flag} another file name", flag)
 
 
 def run_comm(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dtlab.doctor.check import Check, fail, ok, skip, warn
+from dtlab.files import meminfo
 
 GiB = 1024**3
 SHM_MIN = 1 * GiB  # below this, NCCL's shared-memory transport and DataLoader workers run short
@@ -121,12 +122,8 @@ def cgroup_cpu_quota() -> float | None:
 
 
 def memory() -> Check:
-    info = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, value = line.split(":", 1)
-            info[key] = int(value.split()[0]) * 1024
-    except (OSError, ValueError):
+    info = meminfo()
+    if not info:
         return skip("memory", "/proc/meminfo not readable (not Linux)")
     total, avail = info.get("MemTotal", 0), info.get("MemAvailable", 0)
     return ok("memory", f"{total / GiB:.1f} GiB RAM, {avail / GiB:.1f} GiB available",

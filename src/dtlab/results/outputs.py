@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dtlab.atomic_write import write_atomic
-from dtlab.errors import DtlabError
+from dtlab import atomic_write
 
 # kind -> (what the file is called in messages, a test on its first bytes)
 KINDS = {
@@ -19,24 +18,13 @@ KINDS = {
 
 
 def check_replaceable(path: Path, kind: str) -> None:
-    """Refuse to replace a file that is not an earlier output of `kind` (an empty file holds
-    nothing to lose)."""
-    path = Path(path)
-    if not path.is_file() or path.stat().st_size == 0:
-        return
+    """Refuse to replace a file that is not an earlier output of `kind`."""
     what, looks_right = KINDS[kind]
-    try:
-        with open(path, "rb") as f:
-            head = f.read(512)
-    except OSError:
-        head = b""
-    if not looks_right(head):
-        raise DtlabError(f"'{path}' exists and is not {what}: writing there would replace it; "
-                         "fix: pass -o with another file name, or move that file away first")
+    atomic_write.check_replaceable(path, what, looks_right, "pass -o with another file name")
 
 
 def write_output(path: Path, text: str, kind: str) -> Path:
     """`text` to `path`, whole or not at all, after check_replaceable."""
     check_replaceable(path, kind)
-    return write_atomic(Path(path), lambda draft: draft.write_text(text, newline=""),
+    return atomic_write.write_atomic(Path(path), lambda draft: draft.write_text(text, newline=""),
                         f"writing '{path}'", "-o/--output")
