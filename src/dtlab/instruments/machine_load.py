@@ -86,11 +86,17 @@ def cpu_peak_tflops() -> float | None:
 class LoadProbe:
     """The machine's state when training began; `finish` measures what happened since."""
 
-    cpu_tflops: float | None = field(default_factory=cpu_peak_tflops)  # first: not in cpu_s
+    cpu_tflops: float | None = None  # the CPU peak for MFU, when measured (with_cpu_peak)
     loadavg: list[float] | None = field(default_factory=load_average)
     ticks: dict[int, int] = field(default_factory=busy_ticks)
     cpu_s: float = field(default_factory=time.process_time)  # this process, all its threads
     wall: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def with_cpu_peak(cls) -> LoadProbe:
+        """A training run's probe: the CPU peak is measured first, so that its matmuls are not
+        counted as the run's own CPU time (a benchmark that reports no MFU skips it)."""
+        return cls(cpu_tflops=cpu_peak_tflops())
 
     def finish(self) -> dict[str, Any]:
         """This rank's view, in numbers every rank can exchange (see `node_view`)."""

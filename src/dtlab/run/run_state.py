@@ -53,7 +53,7 @@ class RunState:
     evals: dict[str, Any] = field(default_factory=dict)  # the latest evaluation
     usage: SampleUsage | None = None
     started: float = field(default_factory=time.perf_counter)
-    load: LoadProbe = field(default_factory=LoadProbe)  # the machine's state when it began
+    load: LoadProbe = field(default_factory=LoadProbe.with_cpu_peak)  # the machine when it began
     peaks: dict[str, int] = field(default_factory=dict)  # the set-up's and warm-up's peak memory
     run_id: str = ""  # which run this is: new when it starts over, kept when it resumes (run/owner.py)
     watch: DirectoryWatch | None = None  # the run directory, to stop when it disappears
