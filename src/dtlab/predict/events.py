@@ -1,0 +1,71 @@
+"""One step of one rank as a list of events, in the order the rank's Python thread met them.
+
+The tracer (trace.py) records them from the real strategy wrappers under a recording fake
+process group; the simulator (simulate.py) turns the events of every rank into a timeline.
+
+    Compute  a stretch of work on the rank's compute stream between two other events: measured
+             seconds (a trace on a real device) and/or counted FLOPs and bytes (any trace)
+    Issue    a collective or point-to-point call leaving the rank (asynchronous: the compute
+             stream goes on)
+    Wait     the rank needs the result of an earlier Issue: its compute stream stops until the
+             call has finished (the wrappers' own wait, where they put it)
+
+Sizes follow nccl-tests: all_reduce, broadcast, reduce: the buffer; all_gather: the gathered
+output; reduce_scatter: the whole input; all_to_all: the whole buffer; send/recv: the message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PHASES = ("forward", "backward", "recompute", "optimizer", "other")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
+               "barrier")
+POINT_TO_POINT = ("send", "recv")
+
+
+@dataclass(frozen=True)
+class Compute:
+    phase: str  # one of PHASES
+    block: int | None = None  # the model block it belongs to (None: embeddings, head, loss, ...)
+    seconds: float | None = None  # measured on the tracing device; None on a meta-device trace
+    flops: float = 0.0  # FLOPs counted in this stretch
+    bytes: float = 0.0  # bytes read and written from device memory (for a roofline), 0: unknown
+    micro: int = 0  # micro step (gradient accumulation) or pipeline microbatch it belongs to
+
+
+@dataclass(frozen=True)
+class Issue:
+    id: int  # unique within the trace of one rank
+    op: str  # one of COLLECTIVES or POINT_TO_POINT
+    bytes: int  # nccl-tests size (module docstring)
+    group: tuple[int, ...]  # global ranks of the group, sorted; send/recv: (src, dst)
+    phase: str = "other"  # where it was issued (PHASES)
+    block: int | None = None
+    micro: int = 0
+    dtype: str = ""  # element type, e.g. "float32"
+
+
+@dataclass(frozen=True)
+class Wait:
+    id: int  # the Issue waited for
+
+
+Event = Compute | Issue | Wait
+
+
+@dataclass
+class Trace:
+    """One rank's step. `events` in program order; `meta` says how it was taken (device, dtype,
+    threads, world, strategy spec, torch version), for the profile file and for refusals."""
+
+    rank: int
+    world: int
+    events: list[Event] = field(default_factory=list)
+    meta: dict[str, object] = field(default_factory=dict)
+
+    def issues(self) -> list[Issue]:
+        return [e for e in self.events if isinstance(e, Issue)]
+
+    def computes(self) -> list[Compute]:
+        return [e for e in self.events if isinstance(e, Compute)]
