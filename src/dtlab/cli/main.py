@@ -271,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_advise,
         cmd_estimate,
     )
+    from dtlab.predict.cli import add_predict_arguments, cmd_predict
     from dtlab.text.cli import add_prepare_arguments, add_sample_arguments, cmd_prepare, cmd_sample
 
     for name, text, add_arguments, func in (  # commands whose arguments live beside them
@@ -278,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
          add_estimate_arguments, cmd_estimate),
         ("advise", "which strategy fits a GPU's memory, with the numbers and headroom",
          add_advise_arguments, cmd_advise),
+        ("predict", "step time, throughput and MFU of each strategy at any world size",
+         add_predict_arguments, cmd_predict),
         ("prepare", "text files -> train.bin/val.bin token data (data.name=tokens)",
          add_prepare_arguments, cmd_prepare),
         ("sample", "generate text from a trained GPT run or checkpoint", add_sample_arguments,

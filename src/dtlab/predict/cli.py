@@ -1,0 +1,187 @@
+"""`dtlab predict`: its arguments, and the table it prints (the numbers: core.py).
+
+    dtlab predict --config configs/llama3_8b.yaml --world-size 64 --gpus-per-node 8 \\
+        --cluster h100_sxm_8x --strategies ddp,fsdp,hsdp,zero1,fsdp_tp@8x8
+    dtlab predict --config configs/quick.yaml --world-size 2 --cluster cpu_gloo --measure
+    dtlab predict --config configs/quick.yaml --validate --strategies ddp,fsdp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import textwrap
+from typing import Any
+
+from dtlab.cli_args import integer, number
+from dtlab.errors import DtlabError
+
+DEFAULT_STRATEGIES = "ddp,fsdp,zero1"
+GB = 1e9
+
+
+def add_predict_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="dtlab YAML config: the model, batch, "
+                   "precision and optimizer predicted (default: the built-in quick config)")
+    p.add_argument("--world-size", type=integer(1, "--world-size 8"), metavar="N",
+                   help="ranks (GPUs) in total (required unless --validate)")
+    p.add_argument("--gpus-per-node", type=integer(1, "--gpus-per-node 8"), metavar="G",
+                   help="ranks per node (default: the cluster's)")
+    p.add_argument("--strategies", metavar="LIST", default=DEFAULT_STRATEGIES,
+                   help=f"comma list of dtlab strategy specs, e.g. fsdp1:SHARD_GRAD_OP, "
+                   f"fsdp_tp@8x8 (default: {DEFAULT_STRATEGIES})")
+    p.add_argument("--cluster", metavar="NAME|FILE", help="a cluster file or the name of one in "
+                   "configs/clusters (h100_sxm_8x, a100_sxm_8x, h200_sxm_8x, cpu_gloo); "
+                   "required unless --validate")
+    p.add_argument("--measure", action="store_true", help="measure the compute on this device "
+                   "at each strategy's per-rank shapes (default: a roofline over the cluster's peak)")
+    p.add_argument("--save-profile", metavar="FILE", help="with --measure: write what was "
+                   "measured, for --profile on this or another machine")
+    p.add_argument("--profile", metavar="FILE", help="compute from a profile file (--measure "
+                   "--save-profile) instead of the roofline")
+    p.add_argument("--step-time", type=number(0, "--step-time 0.5", inclusive=False),
+                   metavar="SECONDS", help="with --profile: scale the profile so that its "
+                   "single-device step takes this long (another machine's measured step)")
+    p.add_argument("--threads", type=integer(1, "--threads 1"), metavar="N",
+                   help="with --measure on a CPU: torch threads per rank (default: the cores "
+                   "over the ranks per node, as dtlab train sets them)")
+    p.add_argument("--validate", action="store_true", help="run each strategy here on 1, 2 and 4 "
+                   "local ranks and print the predicted step time beside the measured one")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """What argparse cannot check one option at a time."""
+    if not args.validate and (args.world_size is None or args.cluster is None):
+        missing = "--world-size" if args.world_size is None else "--cluster"
+        raise DtlabError(f"{missing} is required; fix: e.g. dtlab predict --config FILE "
+                         "--world-size 64 --gpus-per-node 8 --cluster h100_sxm_8x")
+    if args.save_profile and not args.measure:
+        raise DtlabError("--save-profile writes what --measure measured; fix: add --measure")
+    if args.profile and args.measure:
+        raise DtlabError("--profile and --measure both give the compute; fix: give one")
+    if args.step_time and not args.profile:
+        raise DtlabError("--step-time scales a profile; fix: add --profile FILE")
+    tokens = [t.strip() for t in args.strategies.split(",")]
+    if not all(tokens):
+        raise DtlabError(f"--strategies '{args.strategies}' has an empty entry; fix: e.g. "
+                         f"--strategies {DEFAULT_STRATEGIES}")
+    twice = next((t for i, t in enumerate(tokens) if t in tokens[:i]), None)
+    if twice:
+        raise DtlabError(f"--strategies has '{twice}' twice; fix: list each strategy once")
+    if args.world_size and args.gpus_per_node and args.world_size > args.gpus_per_node \
+            and args.world_size % args.gpus_per_node:
+        raise DtlabError(f"--world-size {args.world_size} is not a whole number of nodes of "
+                         f"--gpus-per-node {args.gpus_per_node}; fix: a multiple of "
+                         f"{args.gpus_per_node}")
+
+
+def request(args: argparse.Namespace, world: int, cluster: Any) -> Any:
+    from dtlab.predict.core import Request
+    from dtlab.predict.profile import load_profile
+
+    per_node = args.gpus_per_node or min(world, cluster.gpus_per_node)
+    profile = load_profile(args.profile) if args.profile else None
+    if profile is not None and args.step_time:
+        profile.scale_to(args.step_time)
+    threads = args.threads
+    if args.measure and threads is None and getattr(cluster, "cores", None):
+        threads = max(1, cluster.cores // per_node)
+    return Request(args.config, list(args.overrides), world, per_node, cluster, args.measure,
+                   profile, threads)
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from dtlab.predict.cluster import load_cluster
+
+    check_arguments(args)
+    if args.validate:
+        from dtlab.predict.validate import cmd_validate
+
+        return cmd_validate(args)
+    if args.save_profile:  # before minutes of work: refuse to replace a file that is not ours
+        from pathlib import Path
+
+        from dtlab.predict.profile import check_writable
+
+        check_writable(Path(args.save_profile))
+    cluster = load_cluster(args.cluster)
+    req = request(args, args.world_size, cluster)
+    rows = predict_all(req, [t.strip() for t in args.strategies.split(",")], args.save_profile)
+    from dtlab.predict.core import fastest
+
+    best = fastest(rows)
+    if args.json:
+        print(json.dumps({"world_size": req.world, "ranks_per_node": req.ranks_per_node,
+                          "cluster": cluster.name, "rows": rows, "fastest": best}, indent=1))
+        return 0
+    print(f"dtlab predict: {req.world} ranks ({req.ranks_per_node} per node) of {cluster.name}"
+          + (f", config {args.config}" if args.config else ""))
+    print(table(rows))
+    print(textwrap.fill(LEGEND, 100))
+    print(verdict(best, rows))
+    for r in rows:
+        for note in r["notes"]:
+            print(f"  ({r['strategy']}: {note})")
+    return 0
+
+
+def predict_all(req: Any, tokens: list[str], save_profile: str | None) -> list[dict[str, Any]]:
+    from dtlab.predict.core import memory, predict
+    from dtlab.predict.profile import Profile
+
+    rows, record = [], Profile({}) if save_profile else None
+    for token in tokens:
+        row = predict(req, token, record)
+        mem = memory(req, token)
+        row["memory"] = mem
+        row["fits"] = mem["device_bytes"] <= req.cluster.memory_bytes
+        rows.append(row)
+    if record is not None:
+        if not record.table:
+            raise DtlabError(f"--save-profile {save_profile}: nothing was measured (every model "
+                             "was too large to run here); fix: drop --save-profile")
+        from pathlib import Path
+
+        record.save(Path(save_profile))
+    return rows
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    from dtlab.estimate.cli import table as text_table
+
+    shown = []
+    for r in rows:
+        s = r["split"]
+        shown.append({
+            "strategy": r["strategy"], "step ms": ms(r["step_s"]),
+            "samples/s": f"{r['samples_per_s']:.4g}",
+            "tokens/s/dev": "-" if r["tokens_per_s"] is None
+            else f"{r['tokens_per_s_per_device']:.4g}",
+            "MFU": "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
+            "fwd": ms(s.get("forward")), "bwd": ms(s.get("backward")),
+            "recomp": ms(s.get("recompute")), "optim": ms(s.get("optimizer")),
+            "comm exposed": ms(sum(r["exposed_comm"].values())), "bubble": ms(s.get("bubble")),
+            "GB/rank": f"{r['memory']['device_bytes'] / GB:.2f}",
+            "fits": "yes" if r["fits"] else "no"})
+    return text_table(shown, list(shown[0]))
+
+
+LEGEND = ("step ms: predicted time of one optimizer step (the slowest rank); fwd/bwd/recomp/optim: "
+          "that rank's compute by phase, ms; comm exposed: communication the compute waited for "
+          "(the rest overlapped); bubble: pipeline stages idle; MFU: model FLOPs per second per "
+          "device over the cluster's peak; GB/rank: dtlab estimate's memory at the peak")
+
+
+def verdict(best: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
+    if best is None:
+        return "fastest: none fits the cluster's memory per device"
+    if "runner_up" not in best:
+        return f"fastest that fits: {best['strategy']} ({ms(best['step_s'])} ms per step)"
+    return (f"fastest that fits: {best['strategy']}, {best['speedup']:.2f}x the next "
+            f"({best['runner_up']})")

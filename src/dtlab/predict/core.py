@@ -1,0 +1,215 @@
+"""One prediction: a config's strategy on N ranks of a cluster -> step time, throughput, MFU and
+memory, each number with where it came from.
+
+    trace    dtlab's own strategy wrappers, one step under a recording fake process group at
+             the target world size (trace.py): what each rank computes, issues and waits for
+    price    compute: measured on this device (--measure), a profile file (--profile), or a
+             roofline over the cluster's peak; communication: the cluster's links or a dtlab
+             comm fit (price.py, roofline.py)
+    simulate the traced ranks' events on compute and communication streams (simulate.py)
+    memory   `dtlab estimate`'s bytes per rank (measured under the fake backend, or modelled)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtlab.config import Config
+from dtlab.config.strategies import registry
+from dtlab.errors import ConfigError, DtlabError
+from dtlab.predict.events import Compute, Issue, Trace
+from dtlab.predict.profile import Profile
+
+MEASURE_MAX_PARAMS = 50_000_000  # what --measure runs on a CPU in seconds (estimate's limit)
+
+
+@dataclass
+class Request:
+    path: str | None  # the config file (None: the built-in quick config)
+    overrides: list[str]
+    world: int
+    ranks_per_node: int
+    cluster: Any  # predict.cluster.Cluster
+    measure: bool = False  # compute measured on this device at each strategy's per-rank shapes
+    profile: Profile | None = None  # compute from a profile file
+    threads: int | None = None  # torch threads per rank when measuring on a CPU
+    loop_s: float = 0.0  # dtlab's own loop per step beyond compute and collectives (measured)
+    notes: list[str] = field(default_factory=list)
+
+
+def strategy_config(req: Request, token: str) -> Config:
+    """The config of `token` (a dtlab strategy spec: fsdp, fsdp1:SHARD_GRAD_OP, fsdp_tp@8x8) on
+    the request's model and world; its own checks refuse a world it cannot take, one line."""
+    from dtlab.config import check_world, load_config
+
+    cfg = load_config(req.path, [*req.overrides, *registry.parse(token)])
+    wrong = registry.mesh_mismatch(token, req.world, "--world-size")
+    if wrong:
+        raise ConfigError(wrong)
+    try:
+        check_world(cfg, req.world, req.ranks_per_node)
+    except ConfigError as e:
+        raise ConfigError(f"--strategies '{token}' on --world-size {req.world}: {e}") from None
+    return cfg
+
+
+def model_digest(cfg: Config) -> str:
+    """What a profile must match: the model's own section (not the strategy, batch or run)."""
+    return hashlib.sha256(json.dumps(cfg.model.model_dump(mode="json"), sort_keys=True)
+                          .encode()).hexdigest()[:16]
+
+
+def trace_device(req: Request, cfg: Config) -> tuple[str, str | None]:
+    """(device to trace on, why not measured): a real device for --measure when the model runs
+    here in seconds, else the meta device (shapes and FLOPs only)."""
+    import torch
+
+    from dtlab.estimate.measure import meta_model
+    from dtlab.models import count_params
+
+    if not req.measure:
+        return "meta", None
+    n = count_params(meta_model(cfg))
+    if n > MEASURE_MAX_PARAMS:
+        return "meta", (f"{n:,} parameters, more than the {MEASURE_MAX_PARAMS:,} measured here in "
+                        "seconds: compute from the roofline, not measured")
+    return ("cuda" if torch.cuda.is_available() else "cpu"), None
+
+
+def traces_of(req: Request, cfg: Config, device: str) -> dict[int, Trace]:
+    from dtlab.predict.trace import trace_step, traced_ranks
+
+    threads = req.threads or 1
+    return {r: trace_step(cfg, req.world, r, req.ranks_per_node, device=device, threads=threads)
+            for r in traced_ranks(cfg, req.world, req.ranks_per_node)}
+
+
+def pricing(req: Request, cfg: Config, token: str) -> tuple[Any, Any, dict[str, set[str]]]:
+    """compute_s(Compute) and comm_s(Issue) for the simulator, and the sources they used."""
+    from dtlab.predict.price import comm_seconds, compute_seconds
+
+    sources: dict[str, set[str]] = {"compute": set(), "comm": set()}
+    dtype, threads = cfg.train.precision, req.threads or 1
+
+    def compute_s(c: Compute) -> float:
+        if c.seconds is None and req.profile is not None:
+            try:
+                seconds, source = req.profile.seconds(c, token)
+                sources["compute"].add(source)
+                return seconds
+            except KeyError:
+                pass
+        seconds, source = compute_seconds(c, req.cluster, dtype, req.ranks_per_node, threads)
+        sources["compute"].add(source)
+        return seconds
+
+    def comm_s(i: Issue) -> tuple[float, str]:
+        seconds, tier = comm_seconds(i, req.cluster, req.ranks_per_node)
+        sources["comm"].add(tier)
+        return seconds, tier
+
+    return compute_s, comm_s, sources
+
+
+def model_params(cfg: Config) -> int:
+    from dtlab.estimate.measure import meta_model
+    from dtlab.models import count_params
+
+    return count_params(meta_model(cfg))
+
+
+def model_flops(cfg: Config) -> float:
+    """Model FLOPs of one step of the global batch (instruments/flops.py: what train's MFU uses)."""
+    from dtlab.data import spec_for
+    from dtlab.instruments.flops import count
+
+    return count(cfg, spec_for(cfg), cfg.train.global_batch_size)[0]
+
+
+def predict(req: Request, token: str, record: Profile | None = None) -> dict[str, Any]:
+    """One row: `token`'s predicted step on the request's world and cluster. `record`: a
+    profile to add the measured compute to (--save-profile)."""
+    from dtlab.data import spec_for
+    from dtlab.predict.simulate import simulate
+
+    cfg = strategy_config(req, token)
+    notes: list[str] = []
+    device, why = trace_device(req, cfg)
+    if why:
+        notes.append(why)
+    if req.profile is not None:
+        req.profile.check({"model_digest": model_digest(cfg), "dtype": cfg.train.precision,
+                           "model": cfg.model.name, "n_params": model_params(cfg)})
+    traces = traces_of(req, cfg, device)
+    if record is not None and device != "meta":
+        record.meta.update(profile_meta(cfg, traces[min(traces)]))
+        record.add(token, traces[min(traces)])
+    compute_s, comm_s, sources = pricing(req, cfg, token)
+    timeline = simulate(traces, compute_s, comm_s, req.cluster.overlap_slowdown)
+    step_s = timeline.step_s + req.loop_s
+    spec = spec_for(cfg)
+    samples = cfg.train.global_batch_size / step_s
+    flops = model_flops(cfg)
+    peak = req.cluster.peak_tflops.get(cfg.train.precision)
+    mfu = flops / step_s / req.world / (peak * 1e12) if peak else None
+    row: dict[str, Any] = {
+        "strategy": token, "world_size": req.world, "ranks_per_node": req.ranks_per_node,
+        "step_s": step_s, "samples_per_s": samples, "samples_per_s_per_device": samples / req.world,
+        "tokens_per_s": samples * spec.seq_len if spec.kind == "tokens" else None,
+        "mfu": mfu, "model_flops_per_step": flops,
+        "split": dict(timeline.split), "exposed_comm": dict(timeline.exposed),
+        "comm_busy": dict(timeline.busy), "loop_s": req.loop_s, "traced_on": device,
+        "sources": {k: sorted(v) for k, v in sources.items()}, "notes": notes}
+    if tokens := row["tokens_per_s"]:
+        row["tokens_per_s_per_device"] = tokens / req.world
+    return row
+
+
+def profile_meta(cfg: Config, trace: Trace) -> dict[str, Any]:
+    return {**{k: trace.meta.get(k) for k in ("device", "threads", "torch")},
+            "dtype": cfg.train.precision, "model": cfg.model.name,
+            "n_params": model_params(cfg), "model_digest": model_digest(cfg)}
+
+
+def predict_step(path: str | None, overrides: list[str], token: str, world: int,
+                 cluster: Any, threads: int | None = None) -> dict[str, Any]:
+    """The prediction `--validate` and benchmarks/predict_vs_measured.py check against a run
+    here: compute measured on this device at the strategy's per-rank shapes."""
+    return predict(Request(path, list(overrides), world, world, cluster, measure=True,
+                           threads=threads), token)
+
+
+def memory(req: Request, token: str) -> dict[str, Any]:
+    """`dtlab estimate`'s row for `token` on this world: bytes per rank and their source."""
+    from dtlab.estimate.cli import build_setup
+    from dtlab.estimate.core import estimate
+
+    args = argparse.Namespace(config=req.path, overrides=req.overrides, n_params=None,
+                              ranks_per_node=req.ranks_per_node, inter_node_bandwidth=None,
+                              optimizer=None, precision=None, n_layer=None, hidden=None,
+                              n_head=None, seq_len=None, micro_batch=None, comm_results=None,
+                              bandwidth=None, checkpointing=False, backend=None)
+    row = estimate(build_setup(args, req.world), token)
+    return {"device_bytes": row["device_total"], "host_bytes": row["host"],
+            "source": row["source"], "exact": row["exact"]}
+
+
+def fastest(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The fastest strategy among those that fit, and by how much it beats the next."""
+    fit = sorted((r for r in rows if r.get("fits", True)), key=lambda r: r["step_s"])
+    if not fit:
+        return None
+    best = {"strategy": fit[0]["strategy"], "step_s": fit[0]["step_s"]}
+    if len(fit) > 1:
+        best.update(runner_up=fit[1]["strategy"], speedup=fit[1]["step_s"] / fit[0]["step_s"])
+    return best
+
+
+def check_cluster_dtype(cluster: Any, cfg: Config) -> None:
+    if cfg.train.precision not in cluster.peak_tflops:
+        raise DtlabError(f"--cluster {cluster.name} gives no peak for {cfg.train.precision}; fix: "
+                         f"add peak_tflops.{cfg.train.precision} to the cluster file")

@@ -1,0 +1,76 @@
+"""`dtlab predict --validate`: each strategy predicted and run here, on 1, 2 and 4 local ranks.
+
+The prediction measures compute on this device at the strategy's per-rank shapes (core.
+predict_step) and prices communication with the cluster's links (cpu_gloo: a dtlab comm fit of
+this machine); the run is a real `dtlab train` of a few steps (truth.measure_run), its median
+step time after warm-up. A world size the strategy cannot take is skipped with its reason.
+Where the ranks outnumber the cores, both the run and the prediction share them (the prediction
+says by how much it scaled the compute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from dtlab.config.strategies import registry
+from dtlab.errors import ConfigError
+
+RANKS = (1, 2, 4)
+STEPS = 12  # the run's steps: dtlab's summary takes the median after its warm-up
+
+
+def validate_rows(path: str | None, overrides: list[str], tokens: list[str], cluster: Any,
+                  ranks: tuple[int, ...] = RANKS, steps: int = STEPS) -> list[dict[str, Any]]:
+    from dtlab.predict.core import Request, predict_step, strategy_config
+    from dtlab.predict.truth import measure_run
+
+    rows = []
+    for token in tokens:
+        for n in ranks:
+            try:
+                strategy_config(Request(path, overrides, n, n, cluster), token)
+            except ConfigError as e:
+                rows.append({"strategy": token, "ranks": n, "skipped": str(e)})
+                continue
+            predicted = predict_step(path, overrides, token, n, cluster)
+            measured = measure_run(path, [*overrides, *registry.parse(token)], n, steps)
+            error = predicted["step_s"] / measured["step_s"] - 1
+            rows.append({"strategy": token, "ranks": n, "predicted_s": predicted["step_s"],
+                         "measured_s": measured["step_s"], "error": error,
+                         "sources": predicted["sources"], "notes": predicted["notes"]})
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    errors = [abs(r["error"]) for r in rows if "error" in r]
+    return {"rows": len(errors), "mean_abs_error": sum(errors) / len(errors) if errors else None,
+            "max_abs_error": max(errors, default=None)}
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from dtlab.estimate.cli import table
+    from dtlab.predict.cluster import load_cluster
+
+    cluster = load_cluster(args.cluster or "cpu_gloo")
+    tokens = [t.strip() for t in args.strategies.split(",")]
+    rows = validate_rows(args.config, list(args.overrides), tokens, cluster)
+    total = summary(rows)
+    if args.json:
+        print(json.dumps({"cluster": cluster.name, "rows": rows, **total}, indent=1))
+        return 0
+    shown = [{"strategy": r["strategy"], "ranks": str(r["ranks"]),
+              "predicted ms": f"{r['predicted_s'] * 1e3:.1f}",
+              "measured ms": f"{r['measured_s'] * 1e3:.1f}", "error": f"{100 * r['error']:+.1f}%"}
+             for r in rows if "error" in r]
+    print(f"dtlab predict --validate: {cluster.name}, {STEPS} steps per run, median step")
+    if shown:
+        print(table(shown, list(shown[0])))
+    if total["mean_abs_error"] is not None:
+        print(f"mean |error| {100 * total['mean_abs_error']:.1f}%, largest "
+              f"{100 * total['max_abs_error']:.1f}% over {total['rows']} runs")
+    for r in rows:
+        if "skipped" in r:
+            print(f"  ({r['strategy']} on {r['ranks']} ranks: skipped, {r['skipped']})")
+    return 0
