@@ -75,16 +75,16 @@ class Recorder:
         self.started = time.perf_counter()
 
     def close(self) -> None:
-        """End the current Compute stretch (kept when it did anything)."""
+        """End the current Compute stretch (every one: the counted and the timed step must have
+        the same structure; `trace.py` drops the empty ones after merging them)."""
         if not self.on:
             return
         seconds = None
         if self.timed:
             self.sync()
             seconds = time.perf_counter() - self.started
-        if self.flops or self.bytes or seconds:
-            self.events.append(Compute(self.phase, self.block, seconds, self.flops, self.bytes,
-                                       self.micro))
+        self.events.append(Compute(self.phase, self.block, seconds, self.flops, self.bytes,
+                                   self.micro))
         self._reset_stretch()
 
     def at(self, phase: str, block: int | None = None, micro: int | None = None) -> None:
@@ -288,6 +288,12 @@ class RecordingGroup(dist.ProcessGroup):
         return self._record("send", nbytes(tensors), tensors, None, list(tensors), (me, peer))
 
     def recv(self, tensors: Any, src: int, tag: int = 0) -> RecordingWork:
+        """Nothing arrives: a received tensor holds ones (finite activations and gradients;
+        the pipelines' warm-up vote then reads "static shapes", as every dtlab stage votes)."""
+        with torch.no_grad():
+            for t in tensors:
+                if t.device.type != "meta":
+                    t.fill_(1)
         me, peer = self.ranks()[self.rank()], self.ranks()[src]
         return self._record("recv", nbytes(tensors), tensors, None, list(tensors), (peer, me))
 

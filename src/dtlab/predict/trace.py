@@ -197,6 +197,15 @@ def _signature(events: list[Event]) -> list[tuple[Any, ...]]:
             ("Wait", e.id) for e in events]
 
 
+EMPTY_S = 20e-6  # a stretch without ops shorter than this is the tracer's own bookkeeping
+
+
+def _kept(events: list[Event]) -> list[Event]:
+    """Without the stretches that did nothing: no op counted and (timed) under EMPTY_S."""
+    return [e for e in events if not isinstance(e, Compute) or e.flops or e.bytes
+            or (e.seconds or 0.0) >= EMPTY_S]
+
+
 def _timed_onto(counted: list[Event], timed: list[Event]) -> list[Event] | None:
     """The counted step's events with the timed step's seconds (None: the two differ)."""
     if _signature(counted) != _signature(timed):
@@ -270,6 +279,7 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
                 notes.append("the timed step's events differ from the counted one's: no seconds")
             else:
                 events = merged
+        events = _kept(events)
     s = registry.of(cfg)
     label = s.label_of(strategy.describe()) if s.label else s.name
     meta: dict[str, object] = {
