@@ -78,5 +78,5 @@ SPEC = StrategySpec(
     name="pp", impl="pp:PP", about="pipeline parallelism (gpipe, 1f1b, interleaved, looped)",
     options=PPOptions, variant=("strategy.pp.schedule", PP_SCHEDULES,
                                               f"a schedule ({', '.join(PP_SCHEDULES)})"), mesh_key=KEY,
-    check=check, model_parallel=degree, label=label,
+    check=check, model_parallel=degree, label=label, distinct_ranks=True,
 )

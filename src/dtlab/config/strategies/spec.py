@@ -54,6 +54,9 @@ class StrategySpec:
     master_weights: bool = False  # 16-bit working weights, fp32 master copies (not autocast)
     broadcasts_updates: bool = False  # each rank broadcasts the parameters it updated (zero1)
     root_stays_gathered: bool = False  # the root unit is not resharded after forward (FSDP1)
+    # The model-parallel ranks of one replica do different work (pipeline stages): `dtlab
+    # predict` traces each of them, not rank 0 alone
+    distinct_ranks: bool = False
 
     def model_parallel_size(self, cfg: Config, world_size: int) -> int:
         return self.model_parallel(cfg, world_size) if self.model_parallel else 1

@@ -1,0 +1,133 @@
+"""dtlab predict's trace: one step of dtlab's own strategy classes under the recording fake
+process group, in this process (no ranks started): the collectives each wrapper issues, where it
+waits for them, and the compute between."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtlab.config import load_config
+from dtlab.config.strategies.registry import parse
+from dtlab.errors import ConfigError
+from dtlab.estimate.measure import meta_model
+from dtlab.models import count_params
+from dtlab.predict.events import Compute, Issue, Wait
+from dtlab.predict.trace import collectives_of, trace_step, traced_ranks
+
+GPT = ["model.name=gpt", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
+       "model.block_size=16", "model.vocab_size=64", "train.global_batch_size=8"]
+
+
+def config(spec: str, *overrides: str):
+    return load_config(None, [*GPT, *overrides, *parse(spec)])
+
+
+def trace(spec: str, *overrides: str, world: int = 2, rank: int = 0, device: str = "cpu"):
+    return trace_step(config(spec, *overrides), world, rank, world, device=device)
+
+
+def waits_follow_issues(events) -> bool:
+    issued: set[int] = set()
+    for e in events:
+        if isinstance(e, Issue):
+            issued.add(e.id)
+        elif isinstance(e, Wait) and e.id not in issued:
+            return False
+    return True
+
+
+def test_ddp_all_reduces_every_gradient_byte_in_its_buckets() -> None:
+    """ddp at 2 ranks: the all-reduces of a step carry the gradient bytes, bucket by bucket, each waited after it is issued."""
+    cfg = config("ddp", "strategy.ddp.bucket_cap_mb=0.05")
+    t = trace_step(cfg, 2, 0, 2, device="cpu")
+    reduces = [c for c in collectives_of(t) if c[0] == "all_reduce"]
+    assert len(reduces) >= 2  # 120 kB of gradients in 50 kB buckets
+    assert sum(b for _, b, _ in reduces) == 4 * count_params(meta_model(cfg))
+    assert all(n == 2 for *_, n in reduces)
+    assert waits_follow_issues(t.events)
+    assert {e.id for e in t.events if isinstance(e, Wait)} == {e.id for e in t.issues()}
+    assert all(e.phase == "backward" for e in t.issues())
+    # measured on this CPU: every stretch that counted FLOPs has its seconds
+    assert all(c.seconds is not None and c.seconds > 0 for c in t.computes() if c.flops)
+    assert t.meta["strategy"] == "ddp" and t.meta["world"] == 2 and t.meta["micro_batch"] == 4
+
+
+def test_ddp_accumulation_micro_steps_issue_nothing() -> None:
+    """ddp with gradient accumulation: no collective in the first (no_sync) micro step, the all-reduces in the last."""
+    t = trace("ddp", "train.grad_accum_steps=2", device="cpu")
+    assert {e.micro for e in t.issues()} == {1}
+    assert {c.micro for c in t.computes() if c.phase == "forward" and c.flops} == {0, 1}
+
+
+def test_ddp_fp16_compression_hook_halves_the_bytes() -> None:
+    """ddp's fp16 communication hook: the all-reduce carries half the bytes of the plain one."""
+    plain = sum(b for _, b, _ in collectives_of(trace("ddp")))
+    half = sum(b for _, b, _ in collectives_of(trace("ddp", "strategy.ddp.comm_hook=fp16")))
+    assert half * 2 == plain
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp_gathers_and_reduce_scatters_each_unit(reshard: bool) -> None:
+    """fsdp at 2 ranks: one all-gather per unit in the forward (again in the backward when resharding after forward) and one reduce-scatter per unit, of the unit's bytes."""
+    cfg = config("fsdp", f"strategy.fsdp.reshard_after_forward={str(reshard).lower()}")
+    t = trace_step(cfg, 2, 0, 2, device="cpu")
+    model = meta_model(cfg)
+    blocks = [4 * sum(p.numel() for p in b.parameters()) for b in model.blocks()]
+    units = sorted([*blocks, 4 * count_params(model) - sum(blocks)])
+    forward = [e for e in t.issues() if e.op == "all_gather" and e.phase == "forward"]
+    backward = [e for e in t.issues() if e.op == "all_gather" and e.phase == "backward"]
+    scatters = [e for e in t.issues() if e.op == "reduce_scatter"]
+    assert sorted(e.bytes for e in forward) == units
+    assert sorted(e.bytes for e in scatters) == units
+    assert sorted(e.bytes for e in backward) == (units if reshard else [])
+    assert waits_follow_issues(t.events)
+
+
+def test_tensor_parallel_blocks_issue_the_same_collectives() -> None:
+    """tp at 2 ranks: every block's forward and backward issue the same collectives in its tensor-parallel group."""
+    t = trace("tp", device="cpu")
+    per_block = [[(e.op, e.bytes) for e in t.issues() if e.block == b and e.phase == phase]
+                 for b in (0, 1) for phase in ("forward", "backward")]
+    assert per_block[0] and per_block[0] == per_block[2]
+    assert per_block[1] and per_block[1] == per_block[3]
+    assert {e.group for e in t.issues()} == {(0, 1)}
+    assert waits_follow_issues(t.events)
+
+
+def test_pipeline_sends_meet_their_receives() -> None:
+    """pp (1f1b) at 2 ranks: both stages are traced, and every send of one has the matching receive on the other."""
+    cfg = config("pp:1f1b@2", "strategy.pp.microbatches=2")
+    assert traced_ranks(cfg, 2, 2) == [0, 1]
+    sends, recvs = [], []
+    for r in (0, 1):
+        t = trace_step(cfg, 2, r, 2, device="cpu")
+        sends += [(e.group, e.bytes) for e in t.issues() if e.op == "send"]
+        recvs += [(e.group, e.bytes) for e in t.issues() if e.op == "recv"]
+        assert waits_follow_issues(t.events)
+    assert sends and sorted(sends) == sorted(recvs)
+    assert traced_ranks(config("ddp"), 2, 2) == [0]
+
+
+def test_recompute_is_its_own_phase() -> None:
+    """Activation checkpointing: each checkpointed block's forward runs again in its backward, as recompute (up to the forward's FLOPs: torch stops once the saved tensors are back)."""
+    t = trace("fsdp", "train.activation_checkpointing=full", device="cpu")
+    flops = {(c.phase, c.block): 0.0 for c in t.computes()}
+    for c in t.computes():
+        flops[(c.phase, c.block)] += c.flops
+    for b in (0, 1):
+        assert 0 < flops[("recompute", b)] <= flops[("forward", b)]
+
+
+def test_deepspeed_engine_runs_under_the_recording_group() -> None:
+    """deepspeed ZeRO 2 at 2 ranks: its engine's own step is traced (its collectives and waits)."""
+    pytest.importorskip("deepspeed")
+    t = trace("deepspeed:2", device="cpu")
+    assert t.issues() and waits_follow_issues(t.events)
+    assert any(e.phase == "backward" for e in t.issues())
+
+
+def test_a_world_the_strategy_cannot_take_is_refused() -> None:
+    """A world size the global batch does not split over is refused with the fix, as dtlab train refuses it."""
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        trace_step(config("ddp"), 3, 0, 3)
+    assert isinstance(Compute("forward"), Compute)
