@@ -33,9 +33,9 @@ def compute_s(c: Compute) -> float:
     return c.seconds
 
 
-def run(events_by_rank: dict[int, list], slowdown: float = 0.0):
+def run(events_by_rank: dict[int, list], slowdown: float = 0.0, streams: str = "rank"):
     traces = {r: Trace(rank=r, world=WORLD, events=ev) for r, ev in events_by_rank.items()}
-    return simulate(traces, compute_s, comm_s, slowdown)
+    return simulate(traces, compute_s, comm_s, slowdown, collective_streams=streams)
 
 
 def accounted(tl) -> float:
@@ -133,6 +133,30 @@ def test_collective_starts_when_every_traced_member_issued_it():
     assert tl.per_rank_s[1] == pytest.approx(7.0)
     assert tl.slowest_rank == 0 and tl.step_s == tl.per_rank_s[0]
     assert tl.bubble_per_rank[1] == pytest.approx(tl.step_s - 7.0)
+
+
+def test_collectives_of_different_groups_queue_on_one_stream_per_rank():
+    """By default a rank's collectives of different groups run in issue order; per group they overlap."""
+    events = [coll(0, 3.0, "reduce_scatter", group=(0, 2)), comp(1.0, "backward"),
+              coll(1, 0.5, group=(0, 1)), Wait(1), Wait(0)]
+    fifo = run({0: events})
+    # the all-reduce starts when the reduce-scatter ends (3.0), issued at 1.0: 2.5 s exposed
+    assert fifo.step_s == pytest.approx(3.5)
+    assert fifo.exposed == pytest.approx({"all_reduce@intra": 2.5})
+    apart = run({0: events}, streams="group")
+    assert apart.step_s == pytest.approx(3.0)
+    assert apart.exposed == pytest.approx({"all_reduce@intra": 0.5, "reduce_scatter@intra": 1.5})
+
+
+def test_exchange_both_sending_first_completes():
+    """Two ranks that both send before they receive complete (a channel per peer, as NCCL groups them)."""
+    def side(me: int, peer: int) -> list:
+        return [Issue(0, "send", 1000, (me, peer)), Issue(1, "recv", 1000, (peer, me)), Wait(0),
+                Wait(1), comp(1.0)]
+
+    tl = run({0: side(0, 1), 1: side(1, 0)})
+    assert tl.step_s == pytest.approx(2.0)
+    assert tl.exposed == pytest.approx({"send@intra": 1.0})
 
 
 def pipeline(schedule: dict[int, list[tuple[str, int, int]]], stages: int, ranks: int,
@@ -236,6 +260,14 @@ def test_send_recv_cycle_is_refused():
     with pytest.raises(DtlabError, match=r"rank 0 waits at event 1 for message #1 from rank 1 to "
                                          r"rank 0, but rank 1 would issue it only after .*a cycle"):
         run({0: side(0, 1), 1: side(1, 0)})
+
+
+def test_wait_queued_behind_a_call_that_never_starts_is_refused():
+    """A wait for a call queued behind one that a member never issues names both calls."""
+    with pytest.raises(DtlabError, match=r"rank 0 waits at event 2 for all_reduce #1 on group "
+                                         r"\(0, 2\), but it is queued behind all_reduce #1 on "
+                                         r"group \(0, 1\), which never starts"):
+        run({0: [coll(0, 1.0, group=(0, 1)), coll(1, 1.0, group=(0, 2)), Wait(1)], 1: []})
 
 
 @pytest.mark.parametrize("events,message", [

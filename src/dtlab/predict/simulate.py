@@ -10,9 +10,14 @@ rank's communication side and the compute stream goes on.
   - Collectives: one FIFO stream per rank. A collective starts when every *traced* member of its
     group has issued it and it is first on each member's stream; members that are not traced are
     assumed symmetric (they arrive with the traced ones). Calls are matched across ranks by (group,
-    n-th call on that group). It lasts comm_s(issue)[0]. One stream rather than FSDP2's separate
-    all-gather and reduce-scatter streams: concurrent collectives share the same links, so two at
-    once take about as long as both in turn, which a FIFO models without double-counting bandwidth.
+    n-th call on that group). It lasts comm_s(issue)[0]. One FIFO per rank keeps the order the rank
+    issued its calls in, which is also the order of data dependencies a trace cannot show (HSDP's
+    all-reduce of a reduce-scatter's output, issued with no wait between them), and collectives
+    that run at once share the links, so two together take about as long as both in turn. Its
+    cost: collectives of different process groups never overlap (a TP all-reduce queues behind an
+    FSDP reduce-scatter that NCCL would run beside it, on its own communicator's stream).
+    collective_streams="group" gives each process group its own FIFO instead (ProcessGroupNCCL's
+    stream per communicator): groups then overlap freely, sharing no bandwidth, ordered by nothing.
   - send/recv: matched by (src, dst, n-th message from src to dst). Each ordered pair of ranks has
     its own FIFO channel; the transfer starts when both sides have issued it (NCCL's rendezvous)
     and the channel is free. A channel per peer rather than one p2p stream per rank: NCCL keeps a
@@ -31,9 +36,9 @@ stage waiting for the others).
 split, exposed and busy describe the **slowest** rank, so that sum(split) + sum(exposed) ==
 step_s: compute seconds by phase (including the overlap stretch, also given alone as slowdown_s)
 and "bubble"; exposed {op@tier: s}; busy {op@tier: s} (seconds its communication was in flight,
-hidden or not). spans: (rank, stream, label, start, end) for a plot, stream "compute", "comm" or
-"p2p" (p2p spans of different peers may overlap), waits as "wait op@tier" and "bubble" on
-"compute".
+hidden or not; calls in flight together each count). spans: (rank, stream, label, start, end) for
+a plot, stream "compute", "comm" or "p2p" (spans of different peers, or of different groups under
+collective_streams="group", may overlap), waits as "wait op@tier" and "bubble" on "compute".
 
 A Wait that can never complete (no matching issue on a traced rank, ops that disagree, a cycle)
 raises DtlabError naming the rank and the event: a bug in a trace, never a hang. The simulation is
@@ -83,7 +88,7 @@ class _Op:
                  streams: list[_Stream]) -> None:
         self.kind, self.name, self.p2p = e.op, name, e.op in POINT_TO_POINT
         self.members, self.seconds, self.tier, self.streams = members, seconds, tier, streams
-        self.labels: dict[int, str] = {}  # rank -> "op@tier" of that rank's own issue
+        self.labels: dict[int, str] = {}  # traced rank -> "op@tier" of its own side of the call
         self.issue_t: dict[int, float] = {}
         self.start: float | None = None
         self.done = False
@@ -98,7 +103,7 @@ class _Rank:
     def __init__(self, rank: int, trace: Trace) -> None:
         self.rank, self.events, self.pos = rank, trace.events, 0
         self.ids: dict[int, _Op] = {}
-        self.counts: dict[tuple, int] = defaultdict(int)  # per group / (src, dst): calls so far
+        self.counts: dict[tuple, int] = {}  # calls so far per group, per (src, dst) and side
         self.busy = 0  # communication streams of this rank now running
         self.remaining: float | None = None  # unstretched seconds left of the current Compute
         self.t_last = self.block_t = 0.0
@@ -114,23 +119,38 @@ class _Rank:
         self.comm: dict[str, float] = defaultdict(float)
 
 
+def _name(e: Issue, n: int) -> str:
+    if e.op in POINT_TO_POINT:
+        return f"message #{n} from rank {e.group[0]} to rank {e.group[1]}"
+    return f"{e.op} #{n} on group {e.group}"
+
+
 def simulate(traces: Mapping[int, Trace], compute_s: Callable[[Compute], float],
-             comm_s: Callable[[Issue], tuple[float, str]], overlap_slowdown: float = 0.0
-             ) -> Timeline:
-    """One step of the traced ranks (module docstring); DtlabError on a trace that cannot end."""
+             comm_s: Callable[[Issue], tuple[float, str]], overlap_slowdown: float = 0.0,
+             *, collective_streams: str = "rank") -> Timeline:
+    """One step of the traced ranks (module docstring); DtlabError on a trace that cannot end.
+    collective_streams: "rank" (one FIFO per rank, the default) or "group" (one per process
+    group), see the module docstring."""
     if not traces:
         raise DtlabError("predict: no trace to simulate (the tracer returned no rank)")
-    return _Simulation(traces, compute_s, comm_s, overlap_slowdown).run()
+    if collective_streams not in ("rank", "group"):
+        raise ValueError(f"collective_streams must be 'rank' or 'group', not {collective_streams!r}")
+    if not overlap_slowdown >= 0:
+        raise DtlabError(f"predict: overlap slowdown {overlap_slowdown} must be >= 0")
+    return _Simulation(traces, compute_s, comm_s, overlap_slowdown,
+                       collective_streams == "group").run()
 
 
 class _Simulation:
     def __init__(self, traces: Mapping[int, Trace], compute_s: Callable[[Compute], float],
-                 comm_s: Callable[[Issue], tuple[float, str]], overlap_slowdown: float) -> None:
+                 comm_s: Callable[[Issue], tuple[float, str]], overlap_slowdown: float,
+                 per_group: bool) -> None:
         self.compute_s, self.comm_s = compute_s, comm_s
         self.stretch = 1.0 + overlap_slowdown
         self.ranks = {r: _Rank(r, t) for r, t in sorted(traces.items())}
+        self.per_group = per_group
         self.coll = {r: _Stream((r,)) for r in self.ranks}
-        self.channels: dict[tuple[int, int], _Stream] = {}
+        self.channels: dict[tuple, _Stream] = {}  # (src, dst) of p2p; a group's, per_group
         self.ops: dict[tuple, _Op] = {}
         self.heap: list[tuple[float, int, object, int]] = []
         self.seq = 0
@@ -221,54 +241,50 @@ class _Simulation:
 
     # -- communication -------------------------------------------------------------------------
     def _issue(self, st: _Rank, e: Issue, t: float) -> None:
-        r = st.rank
-        if e.op in POINT_TO_POINT:
-            if len(e.group) != 2 or r != e.group[0 if e.op == "send" else 1]:
-                raise DtlabError(f"predict: rank {r}'s event {st.pos - 1} is a {e.op} with "
-                                 f"(src, dst) {e.group}, which does not name it: a bug in the trace")
-            key = (e.group[0], e.group[1], e.op)
-            st.counts[key] += 1
-            match = ("p2p", e.group[0], e.group[1], st.counts[key])
-            name = f"message #{match[3]} from rank {e.group[0]} to rank {e.group[1]}"
-        else:
-            if r not in e.group:
-                raise DtlabError(f"predict: rank {r}'s event {st.pos - 1} is a {e.op} on group "
-                                 f"{e.group}, which does not contain it: a bug in the trace")
-            st.counts[e.group] += 1
-            match = (e.group, st.counts[e.group])
-            name = f"{e.op} #{match[1]} on group {e.group}"
+        r, p2p = st.rank, e.op in POINT_TO_POINT
+        if p2p and (len(e.group) != 2 or r != e.group[0 if e.op == "send" else 1]
+                    or e.group[0] == e.group[1]):
+            raise DtlabError(f"predict: rank {r}'s event {st.pos - 1} is a {e.op} with "
+                             f"(src, dst) {e.group}, which does not name it: a bug in the trace")
+        key = (e.group, e.op) if p2p else e.group  # n-th send of src to dst, n-th recv, n-th call
+        n = st.counts[key] = st.counts.get(key, 0) + 1
+        match = (e.group, n, p2p)
         op = self.ops.get(match)
         if op is None:
-            op = self._new_op(e, name)
-            self.ops[match] = op
-        elif not op.p2p and op.kind != e.op:
-            raise DtlabError(f"predict: rank {r}'s event {st.pos - 1} is {name} but another rank "
-                             f"made that call a {op.kind}: the traces disagree")
+            op = self.ops[match] = self._new_op(e, n)
+        if r not in op.labels:
+            raise DtlabError(f"predict: rank {r}'s event {st.pos - 1} is a {e.op} on group "
+                             f"{e.group}, which does not contain it: a bug in the trace")
+        if not p2p and op.kind != e.op:
+            raise DtlabError(f"predict: rank {r}'s event {st.pos - 1} is {_name(e, n)} but "
+                             f"another rank made that call a {op.kind}: the traces disagree")
         if r in op.issue_t:
-            raise DtlabError(f"predict: rank {r} issues {name} twice: a bug in the trace")
+            raise DtlabError(f"predict: rank {r} issues {op.name} twice: a bug in the trace")
         op.issue_t[r] = t
-        op.labels[r] = f"{e.op}@{op.tier}"
         st.ids[e.id] = op
         st.outstanding += 1
-        if not op.p2p:
+        if not p2p and not self.per_group:
             self.coll[r].queue.append(op)
         self._try_start(op, t)
 
-    def _new_op(self, e: Issue, name: str) -> _Op:
+    def _new_op(self, e: Issue, n: int) -> _Op:
+        name = _name(e, n)
         seconds, tier = self.comm_s(e)
         if not seconds >= 0:
             raise DtlabError(f"predict: communication time {seconds} for {name}; it must be >= 0")
-        if e.op in POINT_TO_POINT:
-            pair = (e.group[0], e.group[1])
-            members = tuple(r for r in pair if r in self.ranks)
-            channel = self.channels.get(pair)
-            if channel is None:
-                channel = self.channels[pair] = _Stream(members)
-            op = _Op(e, name, members, seconds, tier, [channel])
-            channel.queue.append(op)
-            return op
+        p2p = e.op in POINT_TO_POINT
         members = tuple(r for r in e.group if r in self.ranks)
-        return _Op(e, name, members, seconds, tier, [self.coll[r] for r in members])
+        if p2p or self.per_group:  # one stream shared by the members, in call order
+            key = (e.group, p2p)
+            channel = self.channels.get(key)
+            if channel is None:
+                channel = self.channels[key] = _Stream(members)
+            channel.queue.append(op := _Op(e, name, members, seconds, tier, [channel]))
+        else:
+            op = _Op(e, name, members, seconds, tier, [self.coll[r] for r in members])
+        op.labels = ({e.group[0]: f"send@{tier}", e.group[1]: f"recv@{tier}"} if p2p else
+                     dict.fromkeys(members, f"{e.op}@{tier}"))
+        return op
 
     def _try_start(self, op: _Op, t: float) -> None:
         if op.start is not None or len(op.issue_t) < len(op.members):
