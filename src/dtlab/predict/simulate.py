@@ -48,76 +48,14 @@ a discrete-event sweep over a heap of finish times, linear in the number of even
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 from dtlab.errors import DtlabError
-from dtlab.predict.events import PHASES, POINT_TO_POINT, Compute, Issue, Trace, Wait
+from dtlab.predict.events import POINT_TO_POINT, Compute, Issue, Trace, Wait
+from dtlab.predict.timeline import Call, RankState, Span, Stream, Timeline
 
-Span = tuple[int, str, str, float, float]
-
-
-@dataclass
-class Timeline:
-    step_s: float
-    per_rank_s: dict[int, float]
-    split: dict[str, float]  # PHASES + "bubble", of the slowest rank
-    exposed: dict[str, float]  # "op@tier" -> seconds the slowest rank's compute stream waited
-    busy: dict[str, float]  # "op@tier" -> seconds the slowest rank's communication was in flight
-    spans: list[Span] = field(default_factory=list)
-    slowest_rank: int = 0
-    bubble_per_rank: dict[int, float] = field(default_factory=dict)
-    slowdown_s: float = 0.0  # of split's compute, the stretch from overlap (slowest rank)
-
-
-class _Stream:
-    __slots__ = ("ranks", "queue", "running")
-
-    def __init__(self, ranks: tuple[int, ...]) -> None:
-        self.ranks = ranks  # traced ranks this stream's work keeps busy
-        self.queue: deque[_Op] = deque()
-        self.running: _Op | None = None
-
-
-class _Op:
-    __slots__ = ("kind", "name", "p2p", "members", "streams", "seconds", "tier", "labels",
-                 "issue_t", "start", "done", "waiters")
-
-    def __init__(self, e: Issue, name: str, members: tuple[int, ...], seconds: float, tier: str,
-                 streams: list[_Stream]) -> None:
-        self.kind, self.name, self.p2p = e.op, name, e.op in POINT_TO_POINT
-        self.members, self.seconds, self.tier, self.streams = members, seconds, tier, streams
-        self.labels: dict[int, str] = {}  # traced rank -> "op@tier" of its own side of the call
-        self.issue_t: dict[int, float] = {}
-        self.start: float | None = None
-        self.done = False
-        self.waiters: list[_Rank] = []
-
-
-class _Rank:
-    __slots__ = ("rank", "events", "pos", "ids", "counts", "busy", "remaining", "t_last",
-                 "version", "current", "blocked", "block_t", "draining", "outstanding", "done_t",
-                 "phases", "bubble", "exposed", "comm", "slow")
-
-    def __init__(self, rank: int, trace: Trace) -> None:
-        self.rank, self.events, self.pos = rank, trace.events, 0
-        self.ids: dict[int, _Op] = {}
-        self.counts: dict[tuple, int] = {}  # calls so far per group, per (src, dst) and side
-        self.busy = 0  # communication streams of this rank now running
-        self.remaining: float | None = None  # unstretched seconds left of the current Compute
-        self.t_last = self.block_t = 0.0
-        self.version = 0
-        self.current: tuple[Compute, float] | None = None
-        self.blocked: _Op | None = None
-        self.draining = False
-        self.outstanding = 0
-        self.done_t: float | None = None
-        self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)
-        self.bubble = self.slow = 0.0
-        self.exposed: dict[str, float] = defaultdict(float)
-        self.comm: dict[str, float] = defaultdict(float)
-
+__all__ = ["Span", "Timeline", "simulate"]
 
 def _name(e: Issue, n: int) -> str:
     if e.op in POINT_TO_POINT:
@@ -147,14 +85,14 @@ class _Simulation:
                  per_group: bool) -> None:
         self.compute_s, self.comm_s = compute_s, comm_s
         self.stretch = 1.0 + overlap_slowdown
-        self.ranks = {r: _Rank(r, t) for r, t in sorted(traces.items())}
+        self.ranks = {r: RankState(r, t) for r, t in sorted(traces.items())}
         self.per_group = per_group
-        self.coll = {r: _Stream((r,)) for r in self.ranks}
-        self.channels: dict[tuple, _Stream] = {}  # (src, dst) of p2p; a group's, per_group
-        self.ops: dict[tuple, _Op] = {}
+        self.coll = {r: Stream((r,)) for r in self.ranks}
+        self.channels: dict[tuple, Stream] = {}  # (src, dst) of p2p; a group's, per_group
+        self.ops: dict[tuple, Call] = {}
         self.heap: list[tuple[float, int, object, int]] = []
         self.seq = 0
-        self.runnable: deque[_Rank] = deque(self.ranks.values())
+        self.runnable: deque[RankState] = deque(self.ranks.values())
         self.spans: list[Span] = []
 
     def run(self) -> Timeline:
@@ -165,7 +103,7 @@ class _Simulation:
             if not self.heap:
                 break
             t, _, item, version = heapq.heappop(self.heap)
-            if isinstance(item, _Op):
+            if isinstance(item, Call):
                 self._finish_op(item, t)
             elif version == item.version:
                 self._finish_compute(item, t)
@@ -175,7 +113,7 @@ class _Simulation:
         return self._timeline()
 
     # -- the compute stream --------------------------------------------------------------------
-    def _advance(self, st: _Rank, t: float) -> None:
+    def _advance(self, st: RankState, t: float) -> None:
         """Run rank `st` from time t until a Compute is under way, a Wait stops it, or its end."""
         events = st.events
         while st.pos < len(events):
@@ -206,12 +144,12 @@ class _Simulation:
         if st.outstanding == 0:
             st.done_t = t
 
-    def _schedule(self, st: _Rank, t: float) -> None:
+    def _schedule(self, st: RankState, t: float) -> None:
         st.version += 1
         end = t + st.remaining * (self.stretch if st.busy else 1.0)
         self._push(end, st, st.version)
 
-    def _settle(self, st: _Rank, t: float) -> None:
+    def _settle(self, st: RankState, t: float) -> None:
         """Bring the current Compute's remaining work up to time t at the rate it ran at."""
         if st.remaining is None:
             return
@@ -230,7 +168,7 @@ class _Simulation:
         if st.remaining is not None and self.stretch != 1.0 and was != (st.busy > 0):
             self._schedule(st, t)
 
-    def _finish_compute(self, st: _Rank, t: float) -> None:
+    def _finish_compute(self, st: RankState, t: float) -> None:
         self._settle(st, t)
         e, start = st.current
         st.remaining = st.current = None
@@ -240,7 +178,7 @@ class _Simulation:
         self.runnable.append(st)
 
     # -- communication -------------------------------------------------------------------------
-    def _issue(self, st: _Rank, e: Issue, t: float) -> None:
+    def _issue(self, st: RankState, e: Issue, t: float) -> None:
         r, p2p = st.rank, e.op in POINT_TO_POINT
         if p2p and (len(e.group) != 2 or r != e.group[0 if e.op == "send" else 1]
                     or e.group[0] == e.group[1]):
@@ -267,7 +205,7 @@ class _Simulation:
             self.coll[r].queue.append(op)
         self._try_start(op, t)
 
-    def _new_op(self, e: Issue, n: int) -> _Op:
+    def _new_op(self, e: Issue, n: int) -> Call:
         name = _name(e, n)
         seconds, tier = self.comm_s(e)
         if not seconds >= 0:
@@ -278,15 +216,15 @@ class _Simulation:
             key = (e.group, p2p)
             channel = self.channels.get(key)
             if channel is None:
-                channel = self.channels[key] = _Stream(members)
-            channel.queue.append(op := _Op(e, name, members, seconds, tier, [channel]))
+                channel = self.channels[key] = Stream(members)
+            channel.queue.append(op := Call(e, name, members, seconds, tier, [channel]))
         else:
-            op = _Op(e, name, members, seconds, tier, [self.coll[r] for r in members])
+            op = Call(e, name, members, seconds, tier, [self.coll[r] for r in members])
         op.labels = ({e.group[0]: f"send@{tier}", e.group[1]: f"recv@{tier}"} if p2p else
                      dict.fromkeys(members, f"{e.op}@{tier}"))
         return op
 
-    def _try_start(self, op: _Op, t: float) -> None:
+    def _try_start(self, op: Call, t: float) -> None:
         if op.start is not None or len(op.issue_t) < len(op.members):
             return
         for s in op.streams:
@@ -304,7 +242,7 @@ class _Simulation:
             self.spans.append((r, "p2p" if op.p2p else "comm", op.labels[r], t, end))
         self._push(end, op, 0)
 
-    def _finish_op(self, op: _Op, t: float) -> None:
+    def _finish_op(self, op: Call, t: float) -> None:
         op.done = True
         for s in op.streams:
             s.running = None
@@ -332,7 +270,7 @@ class _Simulation:
             if s.queue:
                 self._try_start(s.queue[0], t)
 
-    def _waited(self, st: _Rank, op: _Op, start: float, end: float, bubble: float) -> None:
+    def _waited(self, st: RankState, op: Call, start: float, end: float, bubble: float) -> None:
         if bubble > 0:
             st.bubble += bubble
             self.spans.append((st.rank, "compute", "bubble", start, start + bubble))
@@ -346,7 +284,7 @@ class _Simulation:
         heapq.heappush(self.heap, (t, self.seq, item, version))
 
     # -- results -------------------------------------------------------------------------------
-    def _why(self, st: _Rank) -> str:
+    def _why(self, st: RankState) -> str:
         if st.blocked is not None:
             op, where = st.blocked, f"rank {st.rank} waits at event {st.pos - 1} for"
         else:
