@@ -181,6 +181,13 @@ def test_link_from_a_comm_fit_prices_with_the_ring_prediction(tmp_path: Path) ->
     assert t == pytest.approx(2 * 3 * alpha + 2 * 3 / 4 * (64 << 20) * beta, rel=1e-3)
     t, _ = comm_seconds(Issue(0, "send", 1 << 20, (0, 1)), c, 8)
     assert t == pytest.approx(alpha + (1 << 20) * beta, rel=1e-3)
+    # the same measurements as dtlab comm --csv writes them: the same fit
+    rows = comm_rows("all_reduce", alpha, beta)
+    (tmp_path / "comm.csv").write_text("op,world_size,size_bytes,time_us\n" + "".join(
+        f"{r['op']},{r['world_size']},{r['size_bytes']},{r['time_us']}\n" for r in rows))
+    from_csv = load_cluster(write(tmp_path, Path(fit_cluster(tmp_path, rows)).read_text()
+                                  .replace("comm.json", "comm.csv"), "csv.yaml"))
+    assert from_csv.intra.fit == c.intra.fit
 
 
 def test_poor_comm_fit_is_refused_in_one_line(tmp_path: Path) -> None:
@@ -210,7 +217,7 @@ def test_comm_results_that_are_not_a_comm_file_are_one_line(tmp_path: Path) -> N
         load_cluster(path)
     assert one_line(e) == (
         f"cluster file '{path}': intra.comm_results '{tmp_path / 'comm.json'}' is not a dtlab "
-        f"comm --json file; fix: measure it with dtlab comm --op all --json "
+        f"comm --json/--csv file; fix: measure it with dtlab comm --op all --json "
         f"{tmp_path / 'comm.json'}")
     (tmp_path / "comm.json").unlink()
     with pytest.raises(ConfigError) as e:

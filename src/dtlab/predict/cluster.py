@@ -10,8 +10,9 @@ its memory, GPUs per node, peak TFLOP/s per dtype (or `measure`: a float32 matmu
 this CPU at prediction time), HBM bandwidth, the intra- and inter-node links, the roofline's
 compute_efficiency and the overlap_slowdown, each with its `*_source`. Bandwidths follow
 nccl-tests' bus-bandwidth convention (price.py). A link is either a bus bandwidth and a latency,
-or `comm_results:` a `dtlab comm --json` file (relative to the cluster file) whose alpha-beta fit
-(dtlab/comm/model.py) prices it; a fit that model refuses is refused here, when the file loads.
+or `comm_results:` a `dtlab comm --json` (or --csv) file, relative to the cluster file, whose
+alpha-beta fit (dtlab/comm/model.py) prices it; a fit that model refuses is refused here, when
+the file loads.
 
 Every mistake in a file (YAML, a key written twice, an unknown or missing key, a number out of
 range, an unusable fit) is one ConfigError line naming the file, the key and the fix.
@@ -19,6 +20,7 @@ range, an unusable fit) is one ConfigError line naming the file, the key and the
 
 from __future__ import annotations
 
+import csv
 import difflib
 import json
 from dataclasses import dataclass
@@ -224,7 +226,11 @@ def _fit_of(results: Path, path: Path, key: str) -> dict[str, dict[str, Any]]:
         raise ConfigError(f"cluster file '{path}': {key}.comm_results '{results}' not found; "
                           f"fix: {measure}, or correct the path (relative to the cluster file)")
     try:
-        rows = json.loads(results.read_text())
+        text = results.read_text()  # binary: UnicodeDecodeError, a ValueError
+        rows: Any = json.loads(text) if results.suffix != ".csv" else [
+            {"op": r["op"], "world_size": int(r["world_size"]),
+             "size_bytes": float(r["size_bytes"]), "time_us": float(r["time_us"])}
+            for r in csv.DictReader(text.splitlines())]
         if not isinstance(rows, list) or any(
                 isinstance(r, dict) and "time_us" in r and not (
                     isinstance(r.get("world_size"), int) and r["world_size"] >= 2) for r in rows):
@@ -232,7 +238,7 @@ def _fit_of(results: Path, path: Path, key: str) -> dict[str, dict[str, Any]]:
         fitted = fit(rows)
     except (OSError, ValueError, KeyError, TypeError, ArithmeticError):
         raise ConfigError(f"cluster file '{path}': {key}.comm_results '{results}' is not a "
-                          f"dtlab comm --json file; fix: {measure}") from None
+                          f"dtlab comm --json/--csv file; fix: {measure}") from None
     if not fitted:
         raise ConfigError(f"cluster file '{path}': {key}.comm_results '{results}' has no "
                           f"collective measured; fix: {measure}")
@@ -241,12 +247,14 @@ def _fit_of(results: Path, path: Path, key: str) -> dict[str, dict[str, Any]]:
 
 # --------------------------------------------------------------------------- error messages
 def _problem(e: ValidationError) -> str:
-    """The first problem of the file as `key: what; fix: how`."""
-    err = e.errors()[0]
+    """The first problem of the file as `key: what; fix: how` (an unknown key first: a misspelt
+    key is also a missing one)."""
+    errors = sorted(e.errors(), key=lambda x: x["type"] != "extra_forbidden")
+    err = errors[0]
     loc = [str(p) for p in err["loc"] if not _is_union_member(str(p))]
-    key = ".".join(p for p in loc if p != "[key]")
-    more = len({tuple(x["loc"]) for x in e.errors()}) - 1
-    tail = f" (and {more} more problem(s))" if more > 0 else ""
+    key = _key_of(err["loc"])
+    more = len({_key_of(x["loc"]) for x in errors} - {key})
+    tail = f" (and {more} more problem(s))" if more else ""
     if err["type"] == "extra_forbidden":
         parent = _spec_at(loc[:-1])
         close = difflib.get_close_matches(loc[-1], list(parent.model_fields), n=1, cutoff=0.5) \
@@ -261,9 +269,14 @@ def _problem(e: ValidationError) -> str:
     if "[key]" in loc:  # (..., 'peak_tflops', 'fp8', '[key]')
         return (f"{'.'.join(loc[:-2])}: '{err.get('input')}' is not a dtype; fix: use "
                 f"{', '.join(DTYPES)}{tail}")
+    if err["type"] in ("model_type", "dict_type"):
+        what = "a mapping of a link's keys (see intra: in " if key in ("intra", "inter") else \
+            "a mapping (see "
+        return f"{key} must be {what}{EXAMPLE}){tail}"
     got = err.get("input")
     shown = f" (got {got!r})" if got is not None and not isinstance(got, (dict, list)) else ""
-    msg = " or ".join(dict.fromkeys(x["msg"] for x in e.errors() if _key_of(x["loc"]) == key))
+    msgs = list(dict.fromkeys(x["msg"] for x in errors if _key_of(x["loc"]) == key))
+    msg = " or ".join([msgs[0], *(m.removeprefix("Input should be ") for m in msgs[1:])])
     return f"{key}: {msg}{shown}; fix: set {key} to a valid value (see {EXAMPLE}){tail}"
 
 
