@@ -61,7 +61,8 @@ def test_shipped_cluster_files_load_with_a_source_for_every_number() -> None:
     cpu = load_cluster("cpu_gloo")
     assert cpu.peak_tflops == {"fp32": "measure"} and cpu.cores >= 1
     assert cpu.intra.fit is not None and set(cpu.intra.fit) == {
-        "all_reduce", "reduce_scatter", "reduce", "all_to_all"}
+        "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
+        "send_recv"}
 
 
 def test_unknown_cluster_name_lists_the_known_ones() -> None:
