@@ -4,6 +4,7 @@ Measured (a trace taken on the target device): its seconds, times the shared-cor
 the ranks of a node share a CPU's cores: ranks_per_node x threads over the cores, when above 1.
 A CPU with 4 ranks of 1 thread on 2 cores runs each rank about 2x slower than the trace, which
 ran alone; an assumption (the OS shares cores fairly, and memory bandwidth is not the limit).
+The trace must be taken with the rank's own thread count (`threads`, which the profile records).
 
 Otherwise a roofline: max(FLOPs / (peak x compute_efficiency), bytes / HBM bandwidth), the
 peak of the dtype from the cluster file (a datasheet) or, for `measure`, a float32 matrix
