@@ -1,0 +1,299 @@
+"""A cluster file: what one node type offers a prediction, every number with where it comes from.
+
+    load_cluster("h100_sxm_8x")            a file shipped with dtlab, by name
+    load_cluster("my_cluster.yaml")        any file of the same form
+
+The shipped files live in src/dtlab/predict/clusters/ (package data, so `dtlab predict --cluster
+h100_sxm_8x` works from an installed wheel as from a checkout); configs/clusters/ in the
+repository is a link to that directory, the place the docs name. A file holds: the device and
+its memory, GPUs per node, peak TFLOP/s per dtype (or `measure`: a float32 matmul measured on
+this CPU at prediction time), HBM bandwidth, the intra- and inter-node links, the roofline's
+compute_efficiency and the overlap_slowdown, each with its `*_source`. Bandwidths follow
+nccl-tests' bus-bandwidth convention (price.py). A link is either a bus bandwidth and a latency,
+or `comm_results:` a `dtlab comm --json` (or --csv) file, relative to the cluster file, whose
+alpha-beta fit (dtlab/comm/model.py) prices it; a fit that model refuses is refused here, when
+the file loads.
+
+Every mistake in a file (YAML, a key written twice, an unknown or missing key, a number out of
+range, an unusable fit) is one ConfigError line naming the file, the key and the fix.
+"""
+
+from __future__ import annotations
+
+import csv
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dtlab.comm.model import PoorFitError, fit
+from dtlab.config.load import read_yaml
+from dtlab.errors import ConfigError
+from dtlab.files import meminfo
+from dtlab.instruments.machine_load import cpu_set
+
+CLUSTER_DIR = Path(__file__).resolve().parent / "clusters"
+DTYPES = ("bf16", "fp16", "fp32")
+FIT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
+           "send_recv")
+EXAMPLE = "configs/clusters/h100_sxm_8x.yaml"
+
+_Positive = Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)]
+_NonNegative = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False)]
+_Source = Annotated[str, Field(min_length=1, strict=True)]
+
+
+@dataclass(frozen=True)
+class Link:
+    """One tier of links (within a node, or across nodes), per GPU: nccl-tests' bus bandwidth
+    in bytes/s and the time of a small collective, or `fit`: a dtlab comm alpha-beta fit."""
+
+    bus_bytes_per_s: float | None
+    latency_s: float | None
+    source: str
+    fit: dict[str, dict[str, Any]] | None = None
+
+
+@dataclass
+class Cluster:
+    name: str
+    gpus_per_node: int
+    device: str
+    memory_bytes: int
+    peak_tflops: dict[str, float | str]  # per dtype: TFLOP/s, or "measure" (this CPU, roofline.py)
+    peak_source: str
+    hbm_bytes_per_s: float | None  # None: unknown, the roofline counts FLOPs only
+    intra: Link
+    inter: Link
+    compute_efficiency: float  # the roofline's fraction of peak: an assumption, stated
+    overlap_slowdown: float  # compute runs (1 + this) x slower while communication runs
+    overlap_slowdown_source: str
+    cores: int | None  # CPU: cores the ranks of a node share (None: a device per rank)
+    notes: str = ""
+    memory_source: str = ""
+    hbm_source: str = ""
+    compute_efficiency_source: str = ""
+    path: Path | None = None
+
+
+# ------------------------------------------------------------------------ the file's schema
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _LinkSpec(_Strict):
+    busbw_gb_per_s: _Positive | None = None
+    latency_us: _NonNegative | None = None
+    comm_results: str | None = None
+    fits: list[Literal[FIT_OPS]] | None = None  # type: ignore[valid-type]
+    source: _Source
+
+    @model_validator(mode="after")
+    def _one_form(self) -> _LinkSpec:
+        bandwidth = self.busbw_gb_per_s is not None or self.latency_us is not None
+        if self.comm_results is not None and bandwidth:
+            raise ValueError("gives both comm_results and busbw_gb_per_s/latency_us; fix: keep "
+                             "one: a dtlab comm --json file, or a bandwidth and a latency")
+        if self.comm_results is None and (self.busbw_gb_per_s is None or self.latency_us is None):
+            missing = "busbw_gb_per_s" if self.busbw_gb_per_s is None else "latency_us"
+            raise ValueError(f"has no {missing}; fix: give busbw_gb_per_s and latency_us, or "
+                             "comm_results: a dtlab comm --json file")
+        if self.fits is not None and self.comm_results is None:
+            raise ValueError("lists fits without comm_results; fix: remove fits, or add "
+                             "comm_results: a dtlab comm --json file")
+        return self
+
+
+class _ClusterSpec(_Strict):
+    device: _Source
+    gpus_per_node: Annotated[int, Field(gt=0, strict=True)]
+    memory_gb: _Positive | Literal["machine"]
+    memory_source: _Source
+    peak_tflops: Annotated[dict[Literal[DTYPES], _Positive | Literal["measure"]],  # type: ignore[valid-type]
+                           Field(min_length=1)]
+    peak_source: _Source
+    hbm_gb_per_s: _Positive | None
+    hbm_source: _Source
+    compute_efficiency: Annotated[float, Field(gt=0, le=1, strict=True)]
+    compute_efficiency_source: _Source
+    overlap_slowdown: Annotated[float, Field(ge=0, le=10, strict=True, allow_inf_nan=False)]
+    overlap_slowdown_source: _Source
+    cores: Annotated[int, Field(gt=0, strict=True)] | Literal["machine"] | None
+    intra: _LinkSpec
+    inter: _LinkSpec
+    notes: str = ""
+
+
+# --------------------------------------------------------------------------------- loading
+def shipped(cluster: Cluster) -> bool:
+    """A file shipped with dtlab (edit a copy of it, not the file)."""
+    return cluster.path is not None and cluster.path.resolve().parent == CLUSTER_DIR
+
+
+def known_clusters() -> list[str]:
+    return sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
+
+
+def cluster_path(name_or_path: str) -> Path:
+    """A file path as given, or the shipped file of that name; an unknown name: ConfigError."""
+    if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
+        return Path(name_or_path)
+    path = CLUSTER_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        close = [k for k in known_clusters() if k.startswith(name_or_path)][:1] or \
+            difflib.get_close_matches(name_or_path, known_clusters(), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"unknown cluster '{name_or_path}'{hint}; fix: use one of "
+                          f"{', '.join(known_clusters())}, or pass a cluster file (.yaml, "
+                          f"like {EXAMPLE})")
+    return path
+
+
+def load_cluster(name_or_path: str) -> Cluster:
+    """The cluster a name or file describes. ConfigError (one line) for any problem with it."""
+    path = cluster_path(name_or_path)
+    try:
+        tree = read_yaml(path, "cluster file", f"pass a cluster name "
+                         f"({', '.join(known_clusters())}) or an existing file like {EXAMPLE}",
+                         f"write a cluster's keys into it (see {EXAMPLE})")
+    except ConfigError as e:  # read_yaml's example of a mapping is a training config's
+        if "must hold a mapping" not in str(e):
+            raise
+        raise ConfigError(f"cluster file '{path}' must hold a mapping of keys (key: value "
+                          f"lines); fix: write it like {EXAMPLE}") from None
+    try:
+        spec = _ClusterSpec.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(f"cluster file '{path}': {_problem(e)}") from None
+    return Cluster(
+        name=path.stem, gpus_per_node=spec.gpus_per_node, device=spec.device,
+        memory_bytes=_memory_bytes(spec.memory_gb, path), memory_source=spec.memory_source,
+        peak_tflops=dict(spec.peak_tflops), peak_source=spec.peak_source,
+        hbm_bytes_per_s=None if spec.hbm_gb_per_s is None else spec.hbm_gb_per_s * 1e9,
+        hbm_source=spec.hbm_source,
+        intra=_link(spec.intra, path, "intra"), inter=_link(spec.inter, path, "inter"),
+        compute_efficiency=spec.compute_efficiency,
+        compute_efficiency_source=spec.compute_efficiency_source,
+        overlap_slowdown=spec.overlap_slowdown,
+        overlap_slowdown_source=spec.overlap_slowdown_source,
+        cores=len(cpu_set()) if spec.cores == "machine" else spec.cores,
+        notes=spec.notes, path=path)
+
+
+def _memory_bytes(memory_gb: float | str, path: Path) -> int:
+    if memory_gb != "machine":
+        return int(float(memory_gb) * 1e9)
+    total = meminfo().get("MemTotal")
+    if not total:
+        raise ConfigError(f"cluster file '{path}': memory_gb: machine, and /proc/meminfo cannot "
+                          "be read here; fix: set memory_gb to the machine's memory in GB")
+    return total
+
+
+def _link(spec: _LinkSpec, path: Path, key: str) -> Link:
+    if spec.comm_results is None:
+        assert spec.busbw_gb_per_s is not None and spec.latency_us is not None
+        return Link(spec.busbw_gb_per_s * 1e9, spec.latency_us * 1e-6, spec.source)
+    results = (path.parent / spec.comm_results) if not Path(spec.comm_results).is_absolute() \
+        else Path(spec.comm_results)
+    fitted = _fit_of(results, path, key)
+    used = {op: m for op, m in fitted.items() if spec.fits is None or op in spec.fits}
+    for op in spec.fits or []:
+        if op not in fitted:
+            raise ConfigError(f"cluster file '{path}': {key}.fits names {op}, which {results} "
+                              f"does not measure ({', '.join(fitted)}); fix: remove it from "
+                              f"{key}.fits, or measure it with dtlab comm --op all")
+    if "all_reduce" not in used:  # what every op without its own fit is priced from
+        raise ConfigError(f"cluster file '{path}': {key}: no all_reduce fit in {results} (every "
+                          f"op without its own fit is priced from it); fix: measure it with "
+                          "dtlab comm --op all --json FILE, and keep all_reduce in fits")
+    for op, m in used.items():
+        if m["refused"]:
+            raise PoorFitError(f"cluster file '{path}': {key}: the {op} fit of {results} "
+                               f"({m['world_size']} ranks) is refused: {m['refused']}; or "
+                               f"leave {op} out of {key}.fits (it is then priced from the "
+                               "all_reduce fit)")
+    return Link(None, None, f"{spec.source} (alpha-beta fit of {spec.comm_results}: "
+                f"{', '.join(used)})", fit=used)
+
+
+def _fit_of(results: Path, path: Path, key: str) -> dict[str, dict[str, Any]]:
+    measure = f"measure it with dtlab comm --op all --json {results}"
+    if not results.is_file():
+        raise ConfigError(f"cluster file '{path}': {key}.comm_results '{results}' not found; "
+                          f"fix: {measure}, or correct the path (relative to the cluster file)")
+    try:
+        text = results.read_text()  # binary: UnicodeDecodeError, a ValueError
+        rows: Any = json.loads(text) if results.suffix != ".csv" else [
+            {"op": r["op"], "world_size": int(r["world_size"]),
+             "size_bytes": float(r["size_bytes"]), "time_us": float(r["time_us"])}
+            for r in csv.DictReader(text.splitlines())]
+        if not isinstance(rows, list) or any(
+                isinstance(r, dict) and "time_us" in r and not (
+                    isinstance(r.get("world_size"), int) and r["world_size"] >= 2) for r in rows):
+            raise ValueError
+        fitted = fit(rows)
+    except (OSError, ValueError, KeyError, TypeError, ArithmeticError):
+        raise ConfigError(f"cluster file '{path}': {key}.comm_results '{results}' is not a "
+                          f"dtlab comm --json/--csv file; fix: {measure}") from None
+    if not fitted:
+        raise ConfigError(f"cluster file '{path}': {key}.comm_results '{results}' has no "
+                          f"collective measured; fix: {measure}")
+    return fitted
+
+
+# --------------------------------------------------------------------------- error messages
+def _problem(e: ValidationError) -> str:
+    """The first problem of the file as `key: what; fix: how` (an unknown key first: a misspelt
+    key is also a missing one)."""
+    errors = sorted(e.errors(), key=lambda x: x["type"] != "extra_forbidden")
+    err = errors[0]
+    loc = [str(p) for p in err["loc"] if not _is_union_member(str(p))]
+    key = _key_of(err["loc"])
+    more = len({_key_of(x["loc"]) for x in errors} - {key})
+    tail = f" (and {more} more problem(s))" if more else ""
+    if err["type"] == "extra_forbidden":
+        parent = _spec_at(loc[:-1])
+        close = difflib.get_close_matches(loc[-1], list(parent.model_fields), n=1, cutoff=0.5) \
+            if parent else []
+        hint = f"did you mean '{'.'.join([*loc[:-1], close[0]])}'?" if close else \
+            f"see {EXAMPLE} for every key"
+        return f"unknown key '{key}'; fix: remove it ({hint}){tail}"
+    if err["type"] == "missing":
+        return f"'{key}' is missing; fix: add it (every key of {EXAMPLE} is needed){tail}"
+    if err["type"] == "value_error":
+        return f"{key} {err['msg'].removeprefix('Value error, ')}{tail}"
+    if "[key]" in loc:  # (..., 'peak_tflops', 'fp8', '[key]')
+        return (f"{'.'.join(loc[:-2])}: '{err.get('input')}' is not a dtype; fix: use "
+                f"{', '.join(DTYPES)}{tail}")
+    if err["type"] in ("model_type", "dict_type"):
+        what = "a mapping of a link's keys (see intra: in " if key in ("intra", "inter") else \
+            "a mapping (see "
+        return f"{key} must be {what}{EXAMPLE}){tail}"
+    got = err.get("input")
+    shown = f" (got {got!r})" if got is not None and not isinstance(got, (dict, list)) else ""
+    msgs = list(dict.fromkeys(x["msg"] for x in errors if _key_of(x["loc"]) == key))
+    msg = " or ".join([msgs[0], *(m.removeprefix("Input should be ") for m in msgs[1:])])
+    return f"{key}: {msg}{shown}; fix: set {key} to a valid value (see {EXAMPLE}){tail}"
+
+
+def _key_of(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc if not _is_union_member(str(p)) and p != "[key]")
+
+
+def _is_union_member(part: str) -> bool:
+    """pydantic names the member of a union it tried: 'float', "literal['machine']", 'int'."""
+    return part in ("float", "int", "str", "none") or part.startswith(("literal[", "constrained-"))
+
+
+def _spec_at(loc: list[str]) -> type[BaseModel] | None:
+    spec: type[BaseModel] = _ClusterSpec
+    for part in loc:
+        if part in ("intra", "inter") and spec is _ClusterSpec:
+            spec = _LinkSpec
+        else:
+            return None
+    return spec
