@@ -20,7 +20,7 @@ from typing import Any
 
 from dtlab.config import Config
 from dtlab.config.strategies import registry
-from dtlab.errors import ConfigError, DtlabError
+from dtlab.errors import ConfigError
 from dtlab.predict.events import Compute, Issue, Trace
 from dtlab.predict.profile import Profile
 
@@ -90,7 +90,8 @@ def traces_of(req: Request, cfg: Config, device: str) -> dict[int, Trace]:
 
 def pricing(req: Request, cfg: Config, token: str) -> tuple[Any, Any, dict[str, set[str]]]:
     """compute_s(Compute) and comm_s(Issue) for the simulator, and the sources they used."""
-    from dtlab.predict.price import comm_seconds, compute_seconds
+    from dtlab.predict.price import comm_seconds
+    from dtlab.predict.roofline import compute_seconds
 
     sources: dict[str, set[str]] = {"compute": set(), "comm": set()}
     dtype, threads = cfg.train.precision, req.threads or 1
@@ -134,6 +135,7 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
     """One row: `token`'s predicted step on the request's world and cluster. `record`: a
     profile to add the measured compute to (--save-profile)."""
     from dtlab.data import spec_for
+    from dtlab.predict.roofline import peak_tflops
     from dtlab.predict.simulate import simulate
 
     cfg = strategy_config(req, token)
@@ -154,13 +156,14 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
     spec = spec_for(cfg)
     samples = cfg.train.global_batch_size / step_s
     flops = model_flops(cfg)
-    peak = req.cluster.peak_tflops.get(cfg.train.precision)
-    mfu = flops / step_s / req.world / (peak * 1e12) if peak else None
+    peak, peak_source = peak_tflops(req.cluster, cfg.train.precision, req.threads or 1)
+    mfu = flops / step_s / req.world / (peak * 1e12)
     row: dict[str, Any] = {
         "strategy": token, "world_size": req.world, "ranks_per_node": req.ranks_per_node,
         "step_s": step_s, "samples_per_s": samples, "samples_per_s_per_device": samples / req.world,
         "tokens_per_s": samples * spec.seq_len if spec.kind == "tokens" else None,
-        "mfu": mfu, "model_flops_per_step": flops,
+        "mfu": mfu, "peak_tflops": peak, "peak_source": peak_source,
+        "model_flops_per_step": flops,
         "split": dict(timeline.split), "exposed_comm": dict(timeline.exposed),
         "comm_busy": dict(timeline.busy), "loop_s": req.loop_s, "traced_on": device,
         "sources": {k: sorted(v) for k, v in sources.items()}, "notes": notes}
@@ -185,15 +188,17 @@ def predict_step(path: str | None, overrides: list[str], token: str, world: int,
 
 def memory(req: Request, token: str) -> dict[str, Any]:
     """`dtlab estimate`'s row for `token` on this world: bytes per rank and their source."""
-    from dtlab.estimate.cli import build_setup
-    from dtlab.estimate.core import estimate
+    from dtlab.config.device import backend_type
+    from dtlab.estimate import core
+    from dtlab.estimate.cli import config_batch, config_checkpointing
 
-    args = argparse.Namespace(config=req.path, overrides=req.overrides, n_params=None,
-                              ranks_per_node=req.ranks_per_node, inter_node_bandwidth=None,
-                              optimizer=None, precision=None, n_layer=None, hidden=None,
-                              n_head=None, seq_len=None, micro_batch=None, comm_results=None,
-                              bandwidth=None, checkpointing=False, backend=None)
-    row = estimate(build_setup(args, req.world), token)
+    model = core.model_from_config(req.path, req.overrides)
+    args = argparse.Namespace(config=req.path, overrides=req.overrides, micro_batch=None)
+    micro, cfg = config_batch(args, model, req.world, req.ranks_per_node)
+    setup = core.Setup(model, req.world, req.ranks_per_node, core.precision_of(cfg),
+                       core.optimizer_of(cfg), micro, config_checkpointing(model), None,
+                       backend_type(cfg))
+    row = core.estimate(setup, token)
     return {"device_bytes": row["device_total"], "host_bytes": row["host"],
             "source": row["source"], "exact": row["exact"]}
 
@@ -208,8 +213,3 @@ def fastest(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         best.update(runner_up=fit[1]["strategy"], speedup=fit[1]["step_s"] / fit[0]["step_s"])
     return best
 
-
-def check_cluster_dtype(cluster: Any, cfg: Config) -> None:
-    if cfg.train.precision not in cluster.peak_tflops:
-        raise DtlabError(f"--cluster {cluster.name} gives no peak for {cfg.train.precision}; fix: "
-                         f"add peak_tflops.{cfg.train.precision} to the cluster file")

@@ -1,0 +1,89 @@
+"""dtlab predict as a user runs it: the table, its JSON, profile files, and bad input refused."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+from conftest import dtlab
+from test_bad_inputs import refused
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A measured profile of the quick config, a poor comm fit and a cluster file using it."""
+    ws = tmp_path_factory.mktemp("predict")
+    proc = dtlab("predict", "--world-size", "2", "--cluster", "cpu_gloo", "--measure",
+                 "--strategies", "ddp", "--save-profile", str(ws / "quick.json"), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (ws / "out.json").write_text(proc.stdout)
+    rows = [{"op": "all_reduce", "world_size": 2, "size_bytes": s, "time_us": t}
+            for s, t in ((1024, 50.0), (4096, 900.0), (65536, 60.0))]  # not a line
+    (ws / "noisy.json").write_text(json.dumps(rows))
+    cluster = (Path(__file__).resolve().parents[1] / "configs/clusters/cpu_gloo.yaml").read_text()
+    (ws / "noisy.yaml").write_text(cluster.replace("cpu_gloo_comm.json", str(ws / "noisy.json")))
+    (ws / "not_a_profile.json").write_text('{"steps": 1}')
+    return ws
+
+
+def test_prediction_json_has_every_number_with_its_source(workspace: Path) -> None:
+    """--measure --json: step time, throughput per device, MFU, the split and memory, with sources."""
+    out = json.loads((workspace / "out.json").read_text())
+    row = out["rows"][0]
+    assert out["world_size"] == 2 and out["cluster"] == "cpu_gloo" and row["strategy"] == "ddp"
+    assert row["step_s"] > 0 and row["traced_on"] == "cpu"
+    assert row["samples_per_s"] == pytest.approx(64 / row["step_s"], rel=1e-9)
+    assert row["samples_per_s_per_device"] == pytest.approx(row["samples_per_s"] / 2, rel=1e-9)
+    assert 0 < row["mfu"] < 1 and row["peak_tflops"] > 0
+    assert row["split"]["forward"] > 0 and row["split"]["backward"] > 0
+    assert sum(row["split"].values()) + sum(row["exposed_comm"].values()) == pytest.approx(
+        row["step_s"] - row["loop_s"], rel=1e-6)
+    assert row["sources"]["compute"] and all(s.startswith("measured") for s in row["sources"]["compute"])
+    assert row["memory"]["device_bytes"] > 0 and row["fits"] is True
+    assert out["fastest"]["strategy"] == "ddp"
+
+
+def test_profile_file_records_what_was_measured(workspace: Path) -> None:
+    """--save-profile writes the device, dtype, threads, torch version, model and per-block times."""
+    data = json.loads((workspace / "quick.json").read_text())
+    assert data["dtlab_profile"] == 1 and data["dtype"] == "fp32" and data["device"] == "cpu"
+    assert data["threads"] >= 1 and data["torch"] and data["model"] == "cnn"
+    phases = {r["phase"] for r in data["table"]["ddp"]}
+    assert {"forward", "backward", "optimizer"} <= phases
+    assert data["steps"]["ddp"] == pytest.approx(sum(r["seconds"] for r in data["table"]["ddp"]))
+
+
+CASES = [
+    ("unknown cluster", "predict --world-size 8 --cluster h99_pcie", "h99_pcie"),
+    ("no cluster", "predict --world-size 8", "--cluster is required"),
+    ("profile of another model",
+     "predict --world-size 2 --cluster cpu_gloo --profile {ws}/quick.json model.name=gpt",
+     "was measured for model cnn"),
+    ("profile of another dtype",
+     "predict --world-size 2 --cluster cpu_gloo --profile {ws}/quick.json train.precision=bf16",
+     "dtype fp32"),
+    ("not a profile", "predict --world-size 2 --cluster cpu_gloo --profile {ws}/not_a_profile.json",
+     "is not a dtlab profile file"),
+    ("a world size the strategy cannot take",
+     "predict --world-size 3 --cluster cpu_gloo --strategies ddp", "--world-size 3"),
+    ("a mesh of another world size",
+     "predict --world-size 8 --cluster h100_sxm_8x --strategies fsdp_tp@2x2 model.name=gpt",
+     "fsdp_tp@2x2"),
+    ("a poor comm fit", "predict --world-size 2 --cluster {ws}/noisy.yaml", "all_reduce"),
+    ("save-profile without measure",
+     "predict --world-size 2 --cluster cpu_gloo --save-profile {ws}/p.json", "--measure"),
+    ("step time without a profile",
+     "predict --world-size 2 --cluster cpu_gloo --step-time 0.5", "--profile"),
+    ("save-profile over another file",
+     "predict --world-size 2 --cluster cpu_gloo --measure --save-profile {ws}/noisy.yaml",
+     "is not a dtlab profile"),
+]
+
+
+@pytest.mark.parametrize("case,command,message", CASES, ids=[c[0] for c in CASES])
+def test_refused_in_one_line(workspace: Path, case: str, command: str, message: str) -> None:
+    """Each bad input to predict: exit 2, one line naming it and the fix, nothing written."""
+    error = refused(shlex.split(command.format(ws=workspace)), workspace)
+    assert message in error, error
