@@ -160,7 +160,7 @@ CASES = [
     ("single on two ranks is refused", "train --nproc-per-node 2",
      "strategy.name=single runs one process"),
     ("tensor parallelism of the CNN is refused", "train strategy.name=tp",
-     "strategy.name=tp splits a GPT's layers"),
+     "strategy.name=tp splits the layers of a GPT or a Llama-family Hugging Face model"),
     # ------------------------------------------------------------------ config files
     ("a binary config file is refused", "train --config bad/binary.yaml",
      "config file 'bad/binary.yaml' is not UTF-8 text"),

@@ -145,7 +145,8 @@ def test_checkpoints_move_between_strategies(runs: Path, session_dir: Path) -> N
 
 REFUSED = [
     # (ranks, overrides, text the one-line message must contain)
-    (2, ["strategy.name=tp"], "splits a GPT's layers, not model.name=cnn"),
+    (2, ["strategy.name=tp"], "splits the layers of a GPT or a Llama-family Hugging Face model, "
+                              "not model.name=cnn"),
     (4, ["strategy.name=fsdp_tp", "strategy.tp.degree=3"],
      "strategy.tp.degree=3 does not divide world_size=4"),
     (4, ["strategy.name=pp", "strategy.pp.degree=3"],

@@ -1,20 +1,23 @@
-"""Tensor parallelism for the GPT (`tp`), and FSDP2 x TP on a 2-D mesh (`fsdp_tp`).
+"""Tensor parallelism (`tp`), and FSDP2 x TP on a 2-D mesh (`fsdp_tp`), of dtlab's GPT and of
+Hugging Face Llama-family decoders.
 
 The ranks form a mesh (dp, tp): `tp` uses one tensor-parallel group of every rank (dp = 1);
 `fsdp_tp` shards each tensor-parallel shard again with FSDP2 over the dp dimension. The ranks of
 one tensor-parallel group see the same samples; the batch is dealt over dp only.
 
-The plan (Megatron-style, with sequence parallelism; DTensor's parallel styles), per block:
-- ln_1, ln_2 (SequenceParallel): weights replicated; each rank normalises its 1/tp of the sequence
+The plan (Megatron-style, with sequence parallelism; DTensor's parallel styles) is chosen from the
+model's parameter names (tp_plans.py), per block:
+- the norms (SequenceParallel): weights replicated; each rank normalises its 1/tp of the sequence
   (and dropout acts on those sequence shards only).
 - attention: the input is all-gathered along the sequence; q, k, v are column-parallel (each rank
-  computes n_head/tp heads); out_proj is row-parallel, its partial sums reduce-scattered back into
-  sequence shards.
-- MLP: the same: all-gather, fc column-parallel (4C/tp), proj row-parallel, reduce-scatter.
-Embeddings: wte and wpe are row-parallel (each rank holds 1/tp of the rows), their partial sums
-reduce-scattered into sequence shards. Output: ln_f sequence-parallel; lm_head column-parallel
-(vocabulary-sharded logits, kept as a DTensor) and the cross-entropy computed under
-`loss_parallel`, so the logits are never gathered.
+  computes heads/tp heads, KV heads/tp key/value heads); the output projection is row-parallel,
+  its partial sums reduce-scattered back into sequence shards.
+- MLP: the same: all-gather, the first projections column-parallel (GPT's fc, Llama's gate and
+  up), the last one row-parallel, reduce-scatter.
+Embeddings: the token (and GPT's position) tables are row-parallel (each rank holds 1/tp of the
+rows), their partial sums reduce-scattered into sequence shards. Output: the final norm
+sequence-parallel; the head column-parallel (vocabulary-sharded logits, kept as a DTensor) and the
+cross-entropy computed under `loss_parallel`, so the logits are never gathered.
 """
 
 from __future__ import annotations
@@ -26,43 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from dtlab.config import Config, model_parallel_size
 from dtlab.distributed import DistContext
 from dtlab.strategies.base import LossHook, Strategy, full_value
 from dtlab.strategies.fsdp import shard, without_gradient_sync
-
-
-def gpt_plan() -> dict[str, Any]:
-    """The parallel style of each GPT module (FQN patterns, as parallelize_module takes them)."""
-    to_full_sequence = PrepareModuleInput(input_layouts=(Shard(1),),
-                                          desired_input_layouts=(Replicate(),))
-    return {
-        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "wpe": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),  # (T, C)
-        "h.*.ln_1": SequenceParallel(),
-        "h.*.attn": to_full_sequence,
-        "h.*.attn.q_proj": ColwiseParallel(),
-        "h.*.attn.k_proj": ColwiseParallel(),
-        "h.*.attn.v_proj": ColwiseParallel(),
-        "h.*.attn.out_proj": RowwiseParallel(output_layouts=Shard(1)),
-        "h.*.ln_2": SequenceParallel(),
-        "h.*.mlp": to_full_sequence,
-        "h.*.mlp.fc": ColwiseParallel(),
-        "h.*.mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
-        "ln_f": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
-                                   use_local_output=False),
-    }
+from dtlab.strategies.tp_plans import plan_for
 
 
 def _shard_grad_like_param(param: torch.Tensor) -> None:
@@ -80,12 +53,16 @@ class TP(Strategy):
         self.dp_mesh = self.mesh["dp"]
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model = parallelize_module(self.prepare(model), self.mesh["tp"], gpt_plan())
+        model = self.prepare(model)
+        plan = plan_for(model)
+        if plan.prepare is not None:
+            plan.prepare(model)
+        model = parallelize_module(model, self.mesh["tp"], plan.styles)
         # DTensor's embedding backward returns a replicated (full-size) gradient for the
         # row-sharded tables; keep only this rank's rows (a local slice, no communication), so
         # that gradients and optimizer state are split like the parameters.
-        for table in (model.wte.weight, model.wpe.weight):
-            table.register_post_accumulate_grad_hook(_shard_grad_like_param)
+        for table in plan.tables:
+            model.get_parameter(table).register_post_accumulate_grad_hook(_shard_grad_like_param)
         return model
 
     def forward_backward(self, forward: nn.Module, x: torch.Tensor, y: torch.Tensor,

@@ -93,21 +93,25 @@ def sharded_data_parallel(p: float, g: float, n: int, gathers: int) -> float:
     return (n - 1) / n * (gathers * p + g)
 
 
-def check_mesh(cfg: Config, world_size: int, degree: int, key: str) -> None:
-    """What every model-parallel strategy needs: a GPT, a degree that divides the world, and
-    none of the features these strategies do not support."""
+def check_mesh(cfg: Config, world_size: int, degree: int, key: str,
+               models: tuple[str, ...] = ("gpt",)) -> None:
+    """What every model-parallel strategy needs: a model it can split (`models`: the GPT, and
+    for tensor parallelism Llama-family model.name=hf, whose own checks are tp_spec.py's), a
+    degree that divides the world, and none of the features these strategies do not support."""
     name, m, t = cfg.strategy.name, cfg.model, cfg.train
-    if m.name != "gpt":
+    if m.name not in models:
+        what = "a GPT's layers" if models == ("gpt",) else \
+            "the layers of a GPT or a Llama-family Hugging Face model"
         raise ConfigError(
-            f"strategy.name={name} splits a GPT's layers, not model.name={m.name}; "
-            "fix: use model.name=gpt, or a data-parallel strategy (ddp, fsdp, fsdp1)"
+            f"strategy.name={name} splits {what}, not model.name={m.name}; fix: use "
+            f"model.name={'|'.join(models)}, or a data-parallel strategy (ddp, fsdp, fsdp1)"
         )
     if degree > world_size or world_size % degree:
         raise ConfigError(
             f"{key}={degree} does not divide world_size={world_size} into a mesh; "
             f"fix: set {key} to a divisor of {world_size} (0 = every rank)"
         )
-    if m.tie_weights:
+    if getattr(m, "tie_weights", False):  # the GPT's (tp_spec.py checks hf's)
         raise ConfigError(
             f"model.tie_weights with strategy.name={name} is not supported (the embedding and "
             "the head are split differently); fix: set model.tie_weights=false"
