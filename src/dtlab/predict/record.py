@@ -319,22 +319,23 @@ class CountingMode(TorchDispatchMode):
     """Adds each op's FLOPs (torch's flop formulas, as FlopCounterMode counts them) and the bytes
     of its tensor inputs and outputs (a rough roofline figure) to the recorder's stretch.
     DTensors are let through to their own dispatch, whose local ops come back here (so the
-    counts are per rank); FakeTensors (DTensor's shape propagation) are not counted.
+    counts are per rank); FakeTensors (DTensor's shape propagation) are not counted, unless the
+    step itself runs on them (`fake`: a model too big for this machine, trace.host_mode).
     `_c10d_functional.wait_tensor` is a Wait of the collective that made its tensor."""
 
-    def __init__(self) -> None:
+    def __init__(self, fake: bool = False) -> None:
         super().__init__()
         from torch._subclasses.fake_tensor import FakeTensor
         from torch.distributed.tensor import DTensor
 
-        self.dtensor, self.fake = DTensor, FakeTensor
+        self.dtensor, self.fake = DTensor, (() if fake else FakeTensor)
         self.pending: dict[int, int] = {}  # id(output tensor) -> issue id of a functional op
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if any(issubclass(t, self.dtensor) for t in types):
             return NotImplemented
-        if any(issubclass(t, self.fake) for t in types) or not RECORDER.on:
+        if not RECORDER.on or (self.fake and any(issubclass(t, self.fake) for t in types)):
             return func(*args, **kwargs)
         if func.namespace == "_c10d_functional":
             return self._functional(func, args, kwargs)

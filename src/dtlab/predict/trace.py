@@ -17,13 +17,14 @@ every op's tensor inputs and outputs, an upper bound of what a roofline needs (n
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
+from functools import partial, wraps
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtlab.config import Config, check_world, model_parallel_size
 from dtlab.config.strategies import registry
@@ -215,17 +216,130 @@ def _timed_onto(counted: list[Event], timed: list[Event]) -> list[Event] | None:
             for c, t in zip(counted, timed, strict=True)]
 
 
-def _build(cfg: Config, device: torch.device, places: Places) -> tuple[Any, nn.Module, Any]:
+def _build(cfg: Config, device: torch.device) -> nn.Module:
+    """The config's model on `device`; without weights on the meta device (its parameters fake
+    host tensors: `host_mode`)."""
     from dtlab.estimate.measure import meta_model
-    from dtlab.levers import activation_checkpoint
-    from dtlab.models import build_model, memory_format
+    from dtlab.models import build_model
 
     if device.type == "meta":
-        model = meta_model(cfg)
-    else:
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model, spec_for(cfg), cfg.train.lora)
-    return model, memory_format, activation_checkpoint
+        return _on_host(meta_model(cfg))
+    torch.manual_seed(cfg.seed)
+    return build_model(cfg.model, spec_for(cfg), cfg.train.lora)
+
+
+def _on_host(model: nn.Module) -> nn.Module:
+    """`model`'s meta parameters and buffers replaced by empty host ones (fake, under
+    `host_mode`), tied ones still tied (`to_empty` cannot swap a fake tensor into a meta one)."""
+    new: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
+                module._parameters[name] = new[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                if id(b) not in new:
+                    new[id(b)] = torch.empty_like(b, device="cpu")
+                module._buffers[name] = new[id(b)]
+    return model
+
+
+@contextmanager
+def host_mode(device: str) -> Iterator[torch.device]:
+    """The device the strategy runs on. "meta" (a model too big for this machine): the host, under
+    FakeTensorMode, so that every tensor made in set-up and step (weights, gradients, optimizer
+    state, all-gather buffers) has shape, dtype and the host device but no storage, and every
+    wrapper takes its CPU path (a device mesh needs a device with a handle; CPU waits on Works);
+    DDP's check that parameter shapes agree across ranks reads values (`.item()`): off."""
+    if device != "meta":
+        yield torch.device(device)
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.nn.parallel import distributed as ddp
+
+    check, swap, mesh = (ddp._verify_param_shape_across_processes, torch.utils.swap_tensors,
+                         DeviceMesh.__init__)
+    ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    torch.utils.swap_tensors = partial(_swap_fake, swap)
+    DeviceMesh.__init__ = _real(mesh)
+    try:
+        with HostFake(allow_non_fake_inputs=True):
+            yield torch.device("cpu")
+    finally:
+        ddp._verify_param_shape_across_processes, torch.utils.swap_tensors = check, swap
+        DeviceMesh.__init__ = mesh
+
+
+def _real(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` without the fake mode: a device mesh computes its coordinates from its ranks."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    @wraps(fn)
+    def real(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return fn(*args, **kwargs)
+    return real
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class HostFake(FakeTensorMode):
+    """FakeTensorMode, but integer ranges are real (a device mesh reads its ranks), and so are
+    integer buffers while DDP rebuilds its buckets (each rank writes its bucket indices and
+    reads them back after a broadcast: `RebuildReal`)."""
+    real_ints = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        dtype = kwargs.get("dtype")
+        if (func._overloadpacket is torch.ops.aten.arange and dtype not in _FLOATS) or (
+                HostFake.real_ints and func is torch.ops.aten.empty.memory_format
+                and dtype in (torch.int32, torch.int64)):
+            return func(*args, **kwargs)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class RebuildReal:
+    """DDP's reducer, whose bucket rebuild sees real integer buffers (`HostFake`)."""
+
+    def __init__(self, reducer: Any) -> None:
+        self._reducer = reducer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+    def _rebuild_buckets(self) -> bool:
+        HostFake.real_ints = True
+        try:
+            return self._reducer._rebuild_buckets()
+        finally:
+            HostFake.real_ints = False
+
+
+def _fake_reducers(*models: Any) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    for model in models:
+        for m in model.modules() if isinstance(model, nn.Module) else ():
+            if isinstance(m, DistributedDataParallel) and not isinstance(m.reducer, RebuildReal):
+                m.reducer = RebuildReal(m.reducer)
+
+
+def _swap_fake(swap: Callable[[Any, Any], None], t1: Any, t2: Any) -> None:
+    """`Module.to` swaps a fake parameter for its conversion, which a fake parameter refuses (a
+    weak reference holds it): on the same device its data is replaced instead (a cast)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    try:
+        swap(t1, t2)
+    except RuntimeError:
+        if not (isinstance(t1, FakeTensor) and t1.device == t2.device):
+            raise
+        t1.data = t2
 
 
 def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: str = "meta",
@@ -233,7 +347,8 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
     """`rank`'s events of one step of `cfg`'s strategy at `world` ranks (module docstring)."""
     from dtlab.distributed import DistContext, DistEnv
     from dtlab.estimate.measure import batch
-    from dtlab.models import count_params
+    from dtlab.levers import activation_checkpoint
+    from dtlab.models import count_params, memory_format
     from dtlab.strategies import build
 
     if cfg.train.compile != "none":
@@ -242,20 +357,21 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
     micro = check_world(cfg, world, ranks_per_node)
     if not 0 <= rank < world:
         raise ConfigError(f"rank {rank} is not one of the {world} ranks; fix: 0..{world - 1}")
-    dev = torch.device(device)
     spec = spec_for(cfg)
     places = Places()
-    with _threads(threads), recording_group(rank, world):
+    with _threads(threads), recording_group(rank, world), host_mode(device) as dev:
         env = DistEnv(rank, rank % ranks_per_node, world, ranks_per_node, launcher="env")
         ctx = DistContext(env, dev, BACKEND, threads)
         strategy = build(cfg, ctx)
-        model, memory_format, activation_checkpoint = _build(cfg, dev, places)
+        model = _build(cfg, torch.device(device))
         n_params = count_params(model)
         memory_format.apply(model, cfg.model, dev, weights=not strategy.contiguous_params)
         recomputed = activation_checkpoint.apply(model, cfg.train.activation_checkpointing,
                                                  cfg.train.ac_every)
         places.watch(model.blocks(), recomputed)
         model, optimizer = strategy.setup(model)
+        if device == "meta":
+            _fake_reducers(model, *getattr(strategy, "parts", ()))
         engine = strategy.step_engine(model, model, optimizer)
         stepper = _stepper(cfg, engine, places)
         batches = [batch(spec, micro, dev, seed=i) for i in range(cfg.train.grad_accum_steps)]
@@ -263,13 +379,13 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
         for _ in range(max(2, warmup)):  # DDP rebuilds its buckets in its second step's forward
             stepper(batches)
         RECORDER.start(timed=False, sync=sync)
-        with CountingMode():
+        with CountingMode(fake=device == "meta"):
             stepper(batches)
             RECORDER.at("other", None)
             RECORDER.wait_all()
         events = RECORDER.stop()
         notes: list[str] = []
-        if dev.type != "meta":
+        if device != "meta":
             RECORDER.start(timed=True, sync=sync)
             stepper(batches)
             RECORDER.at("other", None)
