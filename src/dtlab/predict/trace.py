@@ -320,13 +320,20 @@ class RebuildReal:
             HostFake.real_ints = False
 
 
-def _fake_reducers(*models: Any) -> None:
+def _fake_reducers(*models: Any) -> list[Any]:
+    """The DDP modules in `models`, their reducers' bucket rebuild made to work on fake tensors.
+    DDP's buckets follow the order gradients became ready in the first backward: one step, then
+    the rebuild (which DDP does in the second step's forward, with broadcasts a steady step does
+    not make), and the next step is a steady one."""
     from torch.nn.parallel import DistributedDataParallel
 
+    found = []
     for model in models:
         for m in model.modules() if isinstance(model, nn.Module) else ():
             if isinstance(m, DistributedDataParallel) and not isinstance(m.reducer, RebuildReal):
                 m.reducer = RebuildReal(m.reducer)
+                found.append(m)
+    return found
 
 
 def _swap_fake(swap: Callable[[Any, Any], None], t1: Any, t2: Any) -> None:
@@ -370,14 +377,19 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
                                                  cfg.train.ac_every)
         places.watch(model.blocks(), recomputed)
         model, optimizer = strategy.setup(model)
-        if device == "meta":
-            _fake_reducers(model, *getattr(strategy, "parts", ()))
         engine = strategy.step_engine(model, model, optimizer)
         stepper = _stepper(cfg, engine, places)
         batches = [batch(spec, micro, dev, seed=i) for i in range(cfg.train.grad_accum_steps)]
         sync = ctx.synchronize
-        for _ in range(max(2, warmup)):  # DDP rebuilds its buckets in its second step's forward
-            stepper(batches)
+        if device == "meta":  # nothing to warm up but DDP's buckets (`_fake_reducers`)
+            rebuilds = _fake_reducers(model, *getattr(strategy, "parts", ()))
+            if rebuilds:
+                stepper(batches)
+                for ddp_module in rebuilds:
+                    ddp_module._has_rebuilt_buckets = ddp_module.reducer._rebuild_buckets()
+        else:
+            for _ in range(max(2, warmup)):  # DDP rebuilds its buckets in its second forward
+                stepper(batches)
         RECORDER.start(timed=False, sync=sync)
         with CountingMode(fake=device == "meta"):
             stepper(batches)
