@@ -312,7 +312,8 @@ def register() -> None:
 
 
 # --- FLOPs, bytes and the functional collectives' waits -------------------------------------
-_SHAPE_ONLY = {torch.ops.prim.device.default, torch.ops.aten.detach.default}
+_DEVICE = torch.ops.prim.device.default
+_SHAPE_ONLY = {_DEVICE, torch.ops.aten.detach.default}
 
 
 class CountingMode(TorchDispatchMode):
@@ -332,6 +333,8 @@ class CountingMode(TorchDispatchMode):
         self.pending: dict[int, int] = {}  # id(output tensor) -> issue id of a functional op
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _DEVICE:
+            return func(*args)
         kwargs = kwargs or {}
         if any(issubclass(t, self.dtensor) for t in types):
             return NotImplemented
