@@ -55,9 +55,10 @@ class Recorder:
         self.issued: set[int] = set()
         self.waited: set[int] = set()
         self.futures: set[int] = set()  # issues whose result was taken as a future (DDP)
+        self.alone = 0  # collectives in a group of one rank (not recorded)
 
     def start(self, timed: bool, sync: Callable[[], None]) -> None:
-        self.events, self.next_id = [], 0
+        self.events, self.next_id, self.alone = [], 0, 0
         self.issued, self.waited, self.futures = set(), set(), set()
         self.on, self.timed, self.sync = True, timed, sync
         self.phase, self.block, self.micro = "other", None, 0
@@ -95,8 +96,12 @@ class Recorder:
             self.phase, self.block, self.micro = phase, block, micro
 
     def issue(self, op: str, size: int, group: tuple[int, ...], dtype: str) -> int:
+        """A collective or send/recv; one in a group of one rank moves nothing and costs no
+        time: it is counted in `alone`, not recorded (HSDP's replica all-reduce at one replica)."""
         self.next_id += 1
-        if self.on:
+        if self.on and len(group) == 1:
+            self.alone += 1
+        elif self.on:
             self.close()
             self.issued.add(self.next_id)
             self.events.append(Issue(self.next_id, op, size, group, self.phase, self.block,

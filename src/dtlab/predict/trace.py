@@ -386,8 +386,9 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
         sync = ctx.synchronize
         if device == "meta":  # nothing to warm up but DDP's buckets (`_fake_reducers`)
             rebuilds = _fake_reducers(model, *getattr(strategy, "parts", ()))
-            if rebuilds:
-                stepper(batches)
+            if rebuilds:  # the forwards and backwards give the order (no optimizer step)
+                for i, (x, y) in enumerate(batches):
+                    engine.micro_step(x, y, stepper.loss_hook, sync=i == len(batches) - 1)
                 for ddp_module in rebuilds:
                     ddp_module._has_rebuilt_buckets = ddp_module.reducer._rebuild_buckets()
         else:
@@ -398,8 +399,11 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
             stepper(batches)
             RECORDER.at("other", None)
             RECORDER.wait_all()
-        events = RECORDER.stop()
+        events, alone = RECORDER.stop(), RECORDER.alone
         notes: list[str] = []
+        if alone:
+            notes.append(f"{alone} collective(s) over a group of one rank, which move nothing, "
+                         "left out")
         if device != "meta":
             RECORDER.start(timed=True, sync=sync)
             stepper(batches)
@@ -418,7 +422,7 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
         "world": world, "ranks_per_node": ranks_per_node, "micro_batch": micro,
         "grad_accum": cfg.train.grad_accum_steps, "torch": torch.__version__,
         "model": cfg.model.name, "n_params": n_params,
-        "model_parallel": model_parallel_size(cfg, world)}
+        "model_parallel": model_parallel_size(cfg, world), "alone": alone}
     if notes:
         meta["notes"] = notes
     return Trace(rank, world, events, meta)
