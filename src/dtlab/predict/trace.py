@@ -3,10 +3,13 @@ under the recording fake process group (record.py), in this process.
 
 The step is dtlab's (run/step.py's Stepper over the strategy's StepEngine): zero_grad, the
 accumulation micro steps (gradients synchronised on the last one only), the gradient norm and the
-optimizer step. Untraced `warmup` steps come first, at least two (DDP rebuilds its buckets in its second
-step's forward, with broadcasts a steady step does not make; optimizers create their state), then one step with FLOPs counted, and on a real device one more,
-timed without the counting (its Python dispatch would inflate small kernels), whose seconds are
-laid on the counted step's Computes. On the meta device (a model too big to run here) only FLOPs.
+optimizer step. On a real device untraced `warmup` steps come first, at least two (DDP rebuilds
+its buckets in its second step's forward, with broadcasts a steady step does not make; optimizers
+create their state), then one step with FLOPs counted, and one more, timed without the counting
+(its Python dispatch would inflate small kernels), whose seconds are laid on the counted step's
+Computes. On the meta device (a model too big to run here; fake_host.py) only the counted step,
+after DDP's forwards and backwards and its bucket rebuild where the strategy has DDP: FLOPs, no
+seconds. Collectives over a group of one rank move nothing: left out (Trace.meta["alone"]).
 
 Phases: `forward`/`backward` per block of `model.blocks()` (block None: embeddings, head, loss),
 `recompute` (a checkpointed block's forward run again in its backward), `optimizer` (the gradient
@@ -17,20 +20,20 @@ every op's tensor inputs and outputs, an upper bound of what a roofline needs (n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import contextmanager
-from functools import partial, wraps
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtlab.config import Config, check_world, model_parallel_size
 from dtlab.config.strategies import registry
 from dtlab.data import spec_for
 from dtlab.errors import ConfigError
 from dtlab.predict.events import Compute, Event, Issue, Trace
+from dtlab.predict.fake_host import fake_reducers, host_mode, on_host
 from dtlab.predict.record import BACKEND, RECORDER, CountingMode, recording_group
 
 
@@ -223,133 +226,9 @@ def _build(cfg: Config, device: torch.device) -> nn.Module:
     from dtlab.models import build_model
 
     if device.type == "meta":
-        return _on_host(meta_model(cfg))
+        return on_host(meta_model(cfg))
     torch.manual_seed(cfg.seed)
     return build_model(cfg.model, spec_for(cfg), cfg.train.lora)
-
-
-def _on_host(model: nn.Module) -> nn.Module:
-    """`model`'s meta parameters and buffers replaced by empty host ones (fake, under
-    `host_mode`), tied ones still tied (`to_empty` cannot swap a fake tensor into a meta one)."""
-    new: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                if id(p) not in new:
-                    new[id(p)] = nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
-                module._parameters[name] = new[id(p)]
-        for name, b in list(module._buffers.items()):
-            if b is not None:
-                if id(b) not in new:
-                    new[id(b)] = torch.empty_like(b, device="cpu")
-                module._buffers[name] = new[id(b)]
-    return model
-
-
-@contextmanager
-def host_mode(device: str) -> Iterator[torch.device]:
-    """The device the strategy runs on. "meta" (a model too big for this machine): the host, under
-    FakeTensorMode, so that every tensor made in set-up and step (weights, gradients, optimizer
-    state, all-gather buffers) has shape, dtype and the host device but no storage, and every
-    wrapper takes its CPU path (a device mesh needs a device with a handle; CPU waits on Works);
-    DDP's check that parameter shapes agree across ranks reads values (`.item()`): off."""
-    if device != "meta":
-        yield torch.device(device)
-        return
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.nn.parallel import distributed as ddp
-
-    check, swap, mesh = (ddp._verify_param_shape_across_processes, torch.utils.swap_tensors,
-                         DeviceMesh.__init__)
-    ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
-    torch.utils.swap_tensors = partial(_swap_fake, swap)
-    DeviceMesh.__init__ = _real(mesh)
-    try:
-        with HostFake(allow_non_fake_inputs=True):
-            yield torch.device("cpu")
-    finally:
-        ddp._verify_param_shape_across_processes, torch.utils.swap_tensors = check, swap
-        DeviceMesh.__init__ = mesh
-
-
-def _real(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` without the fake mode: a device mesh computes its coordinates from its ranks."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    @wraps(fn)
-    def real(*args: Any, **kwargs: Any) -> Any:
-        with unset_fake_temporarily():
-            return fn(*args, **kwargs)
-    return real
-
-
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_DEVICE = torch.ops.prim.device.default
-
-
-class HostFake(FakeTensorMode):
-    """FakeTensorMode, but integer ranges are real (a device mesh reads its ranks), and so are
-    integer buffers while DDP rebuilds its buckets (each rank writes its bucket indices and
-    reads them back after a broadcast: `RebuildReal`)."""
-    real_ints = False
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        if func is _DEVICE:  # asked of every tensor the autograd engine meets: ~90% of the calls
-            return args[0].fake_device
-        kwargs = kwargs or {}
-        dtype = kwargs.get("dtype")
-        if (func._overloadpacket is torch.ops.aten.arange and dtype not in _FLOATS) or (
-                HostFake.real_ints and func is torch.ops.aten.empty.memory_format
-                and dtype in (torch.int32, torch.int64)):
-            return func(*args, **kwargs)
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-class RebuildReal:
-    """DDP's reducer, whose bucket rebuild sees real integer buffers (`HostFake`)."""
-
-    def __init__(self, reducer: Any) -> None:
-        self._reducer = reducer
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._reducer, name)
-
-    def _rebuild_buckets(self) -> bool:
-        HostFake.real_ints = True
-        try:
-            return self._reducer._rebuild_buckets()
-        finally:
-            HostFake.real_ints = False
-
-
-def _fake_reducers(*models: Any) -> list[Any]:
-    """The DDP modules in `models`, their reducers' bucket rebuild made to work on fake tensors.
-    DDP's buckets follow the order gradients became ready in the first backward: one step, then
-    the rebuild (which DDP does in the second step's forward, with broadcasts a steady step does
-    not make), and the next step is a steady one."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    found = []
-    for model in models:
-        for m in model.modules() if isinstance(model, nn.Module) else ():
-            if isinstance(m, DistributedDataParallel) and not isinstance(m.reducer, RebuildReal):
-                m.reducer = RebuildReal(m.reducer)
-                found.append(m)
-    return found
-
-
-def _swap_fake(swap: Callable[[Any, Any], None], t1: Any, t2: Any) -> None:
-    """`Module.to` swaps a fake parameter for its conversion, which a fake parameter refuses (a
-    weak reference holds it): on the same device its data is replaced instead (a cast)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    try:
-        swap(t1, t2)
-    except RuntimeError:
-        if not (isinstance(t1, FakeTensor) and t1.device == t2.device):
-            raise
-        t1.data = t2
 
 
 def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: str = "meta",
@@ -384,8 +263,8 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
         stepper = _stepper(cfg, engine, places)
         batches = [batch(spec, micro, dev, seed=i) for i in range(cfg.train.grad_accum_steps)]
         sync = ctx.synchronize
-        if device == "meta":  # nothing to warm up but DDP's buckets (`_fake_reducers`)
-            rebuilds = _fake_reducers(model, *getattr(strategy, "parts", ()))
+        if device == "meta":  # nothing to warm up but DDP's buckets (`fake_reducers`)
+            rebuilds = fake_reducers(model, *getattr(strategy, "parts", ()))
             if rebuilds:  # the forwards and backwards give the order (no optimizer step)
                 for i, (x, y) in enumerate(batches):
                     engine.micro_step(x, y, stepper.loss_hook, sync=i == len(batches) - 1)
