@@ -131,3 +131,43 @@ def test_a_world_the_strategy_cannot_take_is_refused() -> None:
     with pytest.raises(ConfigError, match="global_batch_size"):
         trace_step(config("ddp"), 3, 0, 3)
     assert isinstance(Compute("forward"), Compute)
+
+
+@pytest.mark.parametrize("spec,overrides", [
+    ("ddp", ["strategy.ddp.bucket_cap_mb=0.01", "train.grad_accum_steps=2"]),
+    ("fsdp", ["train.activation_checkpointing=full"]),
+    ("zero1", []),
+    ("hsdp", ["strategy.hsdp.shard_size=2"]),
+])
+def test_meta_trace_issues_the_cpu_traces_collectives(spec: str, overrides: list[str]) -> None:
+    """A trace on the meta device (no weights) issues the collectives of a cpu trace, in order, with the same FLOPs per Compute and no seconds, at 4 ranks."""
+    cfg = config(spec, *overrides)
+    cpu, meta = (trace_step(cfg, 4, 0, 4, device=d) for d in ("cpu", "meta"))
+    assert len(collectives_of(cpu)) > 1 and collectives_of(meta) == collectives_of(cpu)
+    assert ([(c.phase, c.block, c.micro, c.flops) for c in meta.computes() if c.flops]
+            == [(c.phase, c.block, c.micro, c.flops) for c in cpu.computes() if c.flops])
+    assert all(c.seconds is None for c in meta.computes())
+    assert waits_follow_issues(meta.events) and meta.meta["device"] == "meta"
+
+
+def test_meta_trace_allocates_no_weights() -> None:
+    """A 0.9-billion-parameter GPT traced on the meta device under ddp at 4 ranks: its weights, gradients and Adam state (15 GB) are never allocated."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    cfg = load_config(None, ["model.name=gpt", "model.n_layer=2", "model.n_embd=4096",
+                             "model.n_head=32", "model.block_size=32", "model.vocab_size=65536",
+                             "train.global_batch_size=4", "train.optimizer=adamw", *parse("ddp")])
+    t = trace_step(cfg, 4, 0, 4, device="meta")
+    assert t.meta["n_params"] > 900_000_000
+    assert sum(b for _, b, _ in collectives_of(t)) == 4 * t.meta["n_params"]
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 1_000_000  # kB
+
+
+def test_a_group_of_one_rank_is_left_out() -> None:
+    """hsdp at 2 ranks in one shard group: the all-reduce over its group of one replica moves nothing, so it is counted in meta["alone"], not recorded; the rest are fsdp's collectives."""
+    for device in ("cpu", "meta"):
+        t = trace("hsdp", device=device)
+        assert t.meta["alone"] > 0 and all(len(e.group) == 2 for e in t.issues())
+        assert collectives_of(t) == collectives_of(trace("fsdp", device=device))
+        assert waits_follow_issues(t.events)

@@ -55,9 +55,10 @@ class Recorder:
         self.issued: set[int] = set()
         self.waited: set[int] = set()
         self.futures: set[int] = set()  # issues whose result was taken as a future (DDP)
+        self.alone = 0  # collectives in a group of one rank (not recorded)
 
     def start(self, timed: bool, sync: Callable[[], None]) -> None:
-        self.events, self.next_id = [], 0
+        self.events, self.next_id, self.alone = [], 0, 0
         self.issued, self.waited, self.futures = set(), set(), set()
         self.on, self.timed, self.sync = True, timed, sync
         self.phase, self.block, self.micro = "other", None, 0
@@ -95,8 +96,12 @@ class Recorder:
             self.phase, self.block, self.micro = phase, block, micro
 
     def issue(self, op: str, size: int, group: tuple[int, ...], dtype: str) -> int:
+        """A collective or send/recv; one in a group of one rank moves nothing and costs no
+        time: it is counted in `alone`, not recorded (HSDP's replica all-reduce at one replica)."""
         self.next_id += 1
-        if self.on:
+        if self.on and len(group) == 1:
+            self.alone += 1
+        elif self.on:
             self.close()
             self.issued.add(self.next_id)
             self.events.append(Issue(self.next_id, op, size, group, self.phase, self.block,
@@ -312,29 +317,33 @@ def register() -> None:
 
 
 # --- FLOPs, bytes and the functional collectives' waits -------------------------------------
-_SHAPE_ONLY = {torch.ops.prim.device.default, torch.ops.aten.detach.default}
+_DEVICE = torch.ops.prim.device.default
+_SHAPE_ONLY = {_DEVICE, torch.ops.aten.detach.default}
 
 
 class CountingMode(TorchDispatchMode):
     """Adds each op's FLOPs (torch's flop formulas, as FlopCounterMode counts them) and the bytes
     of its tensor inputs and outputs (a rough roofline figure) to the recorder's stretch.
     DTensors are let through to their own dispatch, whose local ops come back here (so the
-    counts are per rank); FakeTensors (DTensor's shape propagation) are not counted.
+    counts are per rank); FakeTensors (DTensor's shape propagation) are not counted, unless the
+    step itself runs on them (`fake`: a model too big for this machine, trace.host_mode).
     `_c10d_functional.wait_tensor` is a Wait of the collective that made its tensor."""
 
-    def __init__(self) -> None:
+    def __init__(self, fake: bool = False) -> None:
         super().__init__()
         from torch._subclasses.fake_tensor import FakeTensor
         from torch.distributed.tensor import DTensor
 
-        self.dtensor, self.fake = DTensor, FakeTensor
+        self.dtensor, self.fake = DTensor, (() if fake else FakeTensor)
         self.pending: dict[int, int] = {}  # id(output tensor) -> issue id of a functional op
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _DEVICE:
+            return func(*args)
         kwargs = kwargs or {}
         if any(issubclass(t, self.dtensor) for t in types):
             return NotImplemented
-        if any(issubclass(t, self.fake) for t in types) or not RECORDER.on:
+        if not RECORDER.on or (self.fake and any(issubclass(t, self.fake) for t in types)):
             return func(*args, **kwargs)
         if func.namespace == "_c10d_functional":
             return self._functional(func, args, kwargs)

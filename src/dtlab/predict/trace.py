@@ -3,10 +3,13 @@ under the recording fake process group (record.py), in this process.
 
 The step is dtlab's (run/step.py's Stepper over the strategy's StepEngine): zero_grad, the
 accumulation micro steps (gradients synchronised on the last one only), the gradient norm and the
-optimizer step. Untraced `warmup` steps come first, at least two (DDP rebuilds its buckets in its second
-step's forward, with broadcasts a steady step does not make; optimizers create their state), then one step with FLOPs counted, and on a real device one more,
-timed without the counting (its Python dispatch would inflate small kernels), whose seconds are
-laid on the counted step's Computes. On the meta device (a model too big to run here) only FLOPs.
+optimizer step. On a real device untraced `warmup` steps come first, at least two (DDP rebuilds
+its buckets in its second step's forward, with broadcasts a steady step does not make; optimizers
+create their state), then one step with FLOPs counted, and one more, timed without the counting
+(its Python dispatch would inflate small kernels), whose seconds are laid on the counted step's
+Computes. On the meta device (a model too big to run here; fake_host.py) only the counted step,
+after DDP's forwards and backwards and its bucket rebuild where the strategy has DDP: FLOPs, no
+seconds. Collectives over a group of one rank move nothing: left out (Trace.meta["alone"]).
 
 Phases: `forward`/`backward` per block of `model.blocks()` (block None: embeddings, head, loss),
 `recompute` (a checkpointed block's forward run again in its backward), `optimizer` (the gradient
@@ -30,6 +33,7 @@ from dtlab.config.strategies import registry
 from dtlab.data import spec_for
 from dtlab.errors import ConfigError
 from dtlab.predict.events import Compute, Event, Issue, Trace
+from dtlab.predict.fake_host import fake_reducers, host_mode, on_host
 from dtlab.predict.record import BACKEND, RECORDER, CountingMode, recording_group
 
 
@@ -215,17 +219,16 @@ def _timed_onto(counted: list[Event], timed: list[Event]) -> list[Event] | None:
             for c, t in zip(counted, timed, strict=True)]
 
 
-def _build(cfg: Config, device: torch.device, places: Places) -> tuple[Any, nn.Module, Any]:
+def _build(cfg: Config, device: torch.device) -> nn.Module:
+    """The config's model on `device`; without weights on the meta device (its parameters fake
+    host tensors: `host_mode`)."""
     from dtlab.estimate.measure import meta_model
-    from dtlab.levers import activation_checkpoint
-    from dtlab.models import build_model, memory_format
+    from dtlab.models import build_model
 
     if device.type == "meta":
-        model = meta_model(cfg)
-    else:
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model, spec_for(cfg), cfg.train.lora)
-    return model, memory_format, activation_checkpoint
+        return on_host(meta_model(cfg))
+    torch.manual_seed(cfg.seed)
+    return build_model(cfg.model, spec_for(cfg), cfg.train.lora)
 
 
 def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: str = "meta",
@@ -233,7 +236,8 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
     """`rank`'s events of one step of `cfg`'s strategy at `world` ranks (module docstring)."""
     from dtlab.distributed import DistContext, DistEnv
     from dtlab.estimate.measure import batch
-    from dtlab.models import count_params
+    from dtlab.levers import activation_checkpoint
+    from dtlab.models import count_params, memory_format
     from dtlab.strategies import build
 
     if cfg.train.compile != "none":
@@ -242,14 +246,13 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
     micro = check_world(cfg, world, ranks_per_node)
     if not 0 <= rank < world:
         raise ConfigError(f"rank {rank} is not one of the {world} ranks; fix: 0..{world - 1}")
-    dev = torch.device(device)
     spec = spec_for(cfg)
     places = Places()
-    with _threads(threads), recording_group(rank, world):
+    with _threads(threads), recording_group(rank, world), host_mode(device) as dev:
         env = DistEnv(rank, rank % ranks_per_node, world, ranks_per_node, launcher="env")
         ctx = DistContext(env, dev, BACKEND, threads)
         strategy = build(cfg, ctx)
-        model, memory_format, activation_checkpoint = _build(cfg, dev, places)
+        model = _build(cfg, torch.device(device))
         n_params = count_params(model)
         memory_format.apply(model, cfg.model, dev, weights=not strategy.contiguous_params)
         recomputed = activation_checkpoint.apply(model, cfg.train.activation_checkpointing,
@@ -260,16 +263,27 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
         stepper = _stepper(cfg, engine, places)
         batches = [batch(spec, micro, dev, seed=i) for i in range(cfg.train.grad_accum_steps)]
         sync = ctx.synchronize
-        for _ in range(max(2, warmup)):  # DDP rebuilds its buckets in its second step's forward
-            stepper(batches)
+        if device == "meta":  # nothing to warm up but DDP's buckets (`fake_reducers`)
+            rebuilds = fake_reducers(model, *getattr(strategy, "parts", ()))
+            if rebuilds:  # the forwards and backwards give the order (no optimizer step)
+                for i, (x, y) in enumerate(batches):
+                    engine.micro_step(x, y, stepper.loss_hook, sync=i == len(batches) - 1)
+                for ddp_module in rebuilds:
+                    ddp_module._has_rebuilt_buckets = ddp_module.reducer._rebuild_buckets()
+        else:
+            for _ in range(max(2, warmup)):  # DDP rebuilds its buckets in its second forward
+                stepper(batches)
         RECORDER.start(timed=False, sync=sync)
-        with CountingMode():
+        with CountingMode(fake=device == "meta"):
             stepper(batches)
             RECORDER.at("other", None)
             RECORDER.wait_all()
-        events = RECORDER.stop()
+        events, alone = RECORDER.stop(), RECORDER.alone
         notes: list[str] = []
-        if dev.type != "meta":
+        if alone:
+            notes.append(f"{alone} collective(s) over a group of one rank, which move nothing, "
+                         "left out")
+        if device != "meta":
             RECORDER.start(timed=True, sync=sync)
             stepper(batches)
             RECORDER.at("other", None)
@@ -287,7 +301,7 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
         "world": world, "ranks_per_node": ranks_per_node, "micro_batch": micro,
         "grad_accum": cfg.train.grad_accum_steps, "torch": torch.__version__,
         "model": cfg.model.name, "n_params": n_params,
-        "model_parallel": model_parallel_size(cfg, world)}
+        "model_parallel": model_parallel_size(cfg, world), "alone": alone}
     if notes:
         meta["notes"] = notes
     return Trace(rank, world, events, meta)
