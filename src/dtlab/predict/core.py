@@ -124,11 +124,23 @@ def model_params(cfg: Config) -> int:
 
 
 def model_flops(cfg: Config) -> float:
-    """Model FLOPs of one step of the global batch (instruments/flops.py: what train's MFU uses)."""
-    from dtlab.data import spec_for
-    from dtlab.instruments.flops import count
+    """Model FLOPs of one step of the global batch, as train's MFU counts them
+    (instruments/flops.py): one sample's, times the batch (FLOPs grow linearly with it), counted
+    once per model and kept (a Llama-3-8B takes seconds to count, the same for every strategy)."""
+    key = json.dumps([cfg.model.model_dump(mode="json"), cfg.data.model_dump(mode="json"),
+                      cfg.train.lora.model_dump(mode="json") if cfg.train.lora else None],
+                     sort_keys=True)
+    if key not in _FLOPS:
+        from dtlab.data import spec_for
+        from dtlab.instruments.flops import count
 
-    return count(cfg, spec_for(cfg), cfg.train.global_batch_size)[0]
+        plain = cfg.model_copy(update={"train": cfg.train.model_copy(
+            update={"activation_checkpointing": "none"})})
+        _FLOPS[key] = count(plain, spec_for(plain), 1)[0]
+    return _FLOPS[key] * cfg.train.global_batch_size
+
+
+_FLOPS: dict[str, float] = {}
 
 
 def predict(req: Request, token: str, record: Profile | None = None) -> dict[str, Any]:
