@@ -10,9 +10,11 @@ timed-out collective also dumps (TORCH_NCCL_DUMP_ON_TIMEOUT): Python may never s
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +65,105 @@ def dump(run_dir: Path, rank: int, world_size: int, reason: str) -> Path | None:
         return path
     except Exception:  # a dump must never hide the failure it records  # noqa: BLE001
         return None
+
+
+# ------------------------------------------------------------------ one step, for dtlab predict
+# `DTLAB_RECORD_STEP=K` (set by dtlab.predict.truth for its measured runs, never by a user):
+# every rank writes the collectives of step K (the Stepper's call: its micro steps and the
+# optimizer step, not the loop's own agreements, logging or evaluation around it) to
+# RUN_DIR/flight_recorder/step<K>_rank<r>.json. Sources: the flight recorder's entries created
+# during the step (everything a process group runs, whoever calls it from Python or C++), and a
+# recording of our own for what gloo's record leaves out or names by its implementation:
+# point-to-point (absent) and reduce-scatter (gloo runs it as an all-reduce of the whole input,
+# and records it so). dtlab.predict.truth turns both into one list of (op, bytes, group size).
+RECORD_STEP_ENV = "DTLAB_RECORD_STEP"
+# reduce_scatter_tensor (deprecated) calls reduce_scatter_single: wrapping the latter sees both
+OWN_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv",
+           "reduce_scatter_single": "reduce_scatter", "reduce_scatter": "reduce_scatter"}
+_own: list[dict[str, Any]] | None = None  # the records of the step being recorded, else None
+_inside = [0]  # wrapped calls in progress: only the outermost is recorded
+
+
+def record_step() -> int:
+    """The step to record (0: none)."""
+    value = os.environ.get(RECORD_STEP_ENV, "")
+    return int(value) if value.isdigit() else 0
+
+
+def _record_own_calls() -> None:
+    """Wrap torch.distributed's point-to-point and reduce-scatter functions (the module's globals
+    too: batch_isend_irecv and P2POp compare against them) so that they note each call while a
+    step is recorded: op, bytes, dtype, global group ranks or peer, wall-clock start and end."""
+    import functools
+    import inspect
+    import time
+
+    c10d = dist.distributed_c10d
+    for name, op in OWN_OPS.items():
+        real = getattr(c10d, name)
+        if getattr(real, "dtlab_recorded", False):
+            continue
+        signature = inspect.signature(real)
+
+        def wrapper(*args: Any, _real: Any = real, _op: str = op, _sig: Any = signature,
+                    **kwargs: Any) -> Any:
+            if _own is None or _inside[0]:
+                return _real(*args, **kwargs)
+            bound = _sig.bind(*args, **kwargs).arguments
+            group = bound.get("group") or c10d._get_default_group()
+            tensor = bound.get("tensor", bound.get("input"))
+            if isinstance(tensor, list):  # reduce_scatter(output, input_list)
+                tensors = tensor
+            else:
+                tensors = [tensor] if tensor is not None else list(bound.get("input_list", []))
+            peer = None
+            if _op in ("send", "recv"):
+                peer = bound.get("dst", bound.get("src"))
+                local = bound.get("group_dst", bound.get("group_src"))
+                if peer is None and local is not None:
+                    peer = dist.get_global_rank(group, local)
+            start = time.time_ns()
+            _inside[0] += 1
+            try:
+                result = _real(*args, **kwargs)
+            finally:
+                _inside[0] -= 1
+            if _op == "recv" and peer is None:  # from any source: recv says which
+                peer = result
+            _own.append({"op": _op, "bytes": sum(t.numel() * t.element_size() for t in tensors),
+                         "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else "",
+                         "ranks": sorted(dist.get_process_group_ranks(group)), "peer": peer,
+                         "start_ns": start, "end_ns": time.time_ns()})
+            return result
+
+        wrapper = functools.wraps(real)(wrapper)
+        wrapper.dtlab_recorded = True  # type: ignore[attr-defined]
+        setattr(c10d, name, wrapper)
+        if getattr(dist, name, None) is real:
+            setattr(dist, name, wrapper)
+
+
+@contextlib.contextmanager
+def step_window(run_dir: Path, step: int, rank: int) -> Iterator[None]:
+    """Around the Stepper's call: records step `record_step()` when the recorder is on."""
+    global _own
+    if step != record_step() or os.environ.get("TORCH_FR_BUFFER_SIZE", "0") == "0" \
+            or not dist.is_initialized():
+        yield
+        return
+    import time
+
+    _record_own_calls()
+    _own, start = [], time.time_ns()
+    try:
+        yield
+    finally:
+        end, own, _own = time.time_ns(), _own, None
+    raw = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True,
+                                                                    onlyActive=False))
+    entries = [e for e in raw.get("entries", []) if start <= e["time_created_ns"] <= end]
+    record = {"step": step, "rank": rank, "start_ns": start, "end_ns": end, "entries": entries,
+              "pg_config": group_config(), "own": own}
+    path = run_dir / DIR / f"step{step}_rank{rank}.json"
+    path.parent.mkdir(exist_ok=True)
+    files.replace_whole(path, lambda tmp: tmp.write_text(json.dumps(record)))
