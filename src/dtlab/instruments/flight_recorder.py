@@ -77,9 +77,18 @@ def dump(run_dir: Path, rank: int, world_size: int, reason: str) -> Path | None:
 # point-to-point (absent) and reduce-scatter (gloo runs it as an all-reduce of the whole input,
 # and records it so). dtlab.predict.truth turns both into one list of (op, bytes, group size).
 RECORD_STEP_ENV = "DTLAB_RECORD_STEP"
-# reduce_scatter_tensor (deprecated) calls reduce_scatter_single: wrapping the latter sees both
-OWN_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv",
-           "reduce_scatter_single": "reduce_scatter", "reduce_scatter": "reduce_scatter"}
+# (module, function, op, the argument holding its tensor(s)). Deprecated names call the ones
+# listed (reduce_scatter_tensor -> reduce_scatter_single); a call inside another is not noted
+# again. DTensor's reduce-scatters come through the functional collectives.
+C10D, FUNCOL = "torch.distributed.distributed_c10d", "torch.distributed._functional_collectives"
+OWN_CALLS = [(C10D, "send", "send", "tensor"), (C10D, "isend", "send", "tensor"),
+             (C10D, "recv", "recv", "tensor"), (C10D, "irecv", "recv", "tensor"),
+             (C10D, "reduce_scatter_single", "reduce_scatter", "input"),
+             (C10D, "reduce_scatter", "reduce_scatter", "input_list"),
+             *((FUNCOL, f"reduce_scatter_{kind}", "reduce_scatter", "self")
+               for kind in ("single", "single_autograd", "tensor", "tensor_autograd")),
+             *((FUNCOL, f"reduce_scatter_{kind}_coalesced", "reduce_scatter", "inputs")
+               for kind in ("single", "tensor"))]
 _own: list[dict[str, Any]] | None = None  # the records of the step being recorded, else None
 _inside = [0]  # wrapped calls in progress: only the outermost is recorded
 
@@ -90,38 +99,39 @@ def record_step() -> int:
     return int(value) if value.isdigit() else 0
 
 
+def _peer(bound: dict[str, Any]) -> int | None:
+    """A point-to-point call's peer as a global rank (None: recv from any source)."""
+    peer = bound.get("dst", bound.get("src"))
+    local = bound.get("group_dst", bound.get("group_src"))
+    if peer is None and local is not None:
+        group = bound.get("group") or dist.distributed_c10d._get_default_group()
+        peer = dist.get_global_rank(group, local)
+    return peer
+
+
 def _record_own_calls() -> None:
-    """Wrap torch.distributed's point-to-point and reduce-scatter functions (the module's globals
-    too: batch_isend_irecv and P2POp compare against them) so that they note each call while a
-    step is recorded: op, bytes, dtype, global group ranks or peer, wall-clock start and end."""
+    """Wrap the functions of OWN_CALLS (in their module, and torch.distributed's name for it:
+    batch_isend_irecv and P2POp compare against those) so that each call made while a step is
+    recorded is noted: op, bytes, peer, wall-clock start and end (the flight recorder's clock)."""
     import functools
+    import importlib
     import inspect
     import time
 
-    c10d = dist.distributed_c10d
-    for name, op in OWN_OPS.items():
-        real = getattr(c10d, name)
-        if getattr(real, "dtlab_recorded", False):
+    for module_name, name, op, arg in OWN_CALLS:
+        module = importlib.import_module(module_name)
+        real = getattr(module, name, None)
+        if real is None or getattr(real, "dtlab_recorded", False):
             continue
         signature = inspect.signature(real)
 
         def wrapper(*args: Any, _real: Any = real, _op: str = op, _sig: Any = signature,
-                    **kwargs: Any) -> Any:
+                    _arg: str = arg, **kwargs: Any) -> Any:
             if _own is None or _inside[0]:
                 return _real(*args, **kwargs)
             bound = _sig.bind(*args, **kwargs).arguments
-            group = bound.get("group") or c10d._get_default_group()
-            tensor = bound.get("tensor", bound.get("input"))
-            if isinstance(tensor, list):  # reduce_scatter(output, input_list)
-                tensors = tensor
-            else:
-                tensors = [tensor] if tensor is not None else list(bound.get("input_list", []))
-            peer = None
-            if _op in ("send", "recv"):
-                peer = bound.get("dst", bound.get("src"))
-                local = bound.get("group_dst", bound.get("group_src"))
-                if peer is None and local is not None:
-                    peer = dist.get_global_rank(group, local)
+            tensors = bound[_arg] if isinstance(bound[_arg], list | tuple) else [bound[_arg]]
+            peer = _peer(bound) if _op in ("send", "recv") else None
             start = time.time_ns()
             _inside[0] += 1
             try:
@@ -131,14 +141,12 @@ def _record_own_calls() -> None:
             if _op == "recv" and peer is None:  # from any source: recv says which
                 peer = result
             _own.append({"op": _op, "bytes": sum(t.numel() * t.element_size() for t in tensors),
-                         "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else "",
-                         "ranks": sorted(dist.get_process_group_ranks(group)), "peer": peer,
-                         "start_ns": start, "end_ns": time.time_ns()})
+                         "peer": peer, "start_ns": start, "end_ns": time.time_ns()})
             return result
 
         wrapper = functools.wraps(real)(wrapper)
         wrapper.dtlab_recorded = True  # type: ignore[attr-defined]
-        setattr(c10d, name, wrapper)
+        setattr(module, name, wrapper)
         if getattr(dist, name, None) is real:
             setattr(dist, name, wrapper)
 

@@ -45,7 +45,6 @@ FR_OPS = {"all_reduce": "all_reduce", "allreduce": "all_reduce", "all_gather": "
           "reduce_scatter": "reduce_scatter", "broadcast": "broadcast", "reduce": "reduce",
           "all_to_all": "all_to_all", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
           "barrier": "barrier", "gather": "gather", "scatter": "scatter"}
-OUTPUT_SIZED = {"all_gather"}  # nccl-tests counts the gathered output; the others their input
 
 
 def _numel(shape: list[int]) -> int:
@@ -55,10 +54,12 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-def _fr_bytes(op: str, entry: dict[str, Any]) -> int:
-    side = "output" if op in OUTPUT_SIZED else "input"
-    sizes, dtypes = entry[f"{side}_sizes"], entry[f"{side}_dtypes"]
-    return sum(_numel(s) * DTYPE_BYTES[d] for s, d in zip(sizes, dtypes, strict=True))
+def _fr_bytes(op: str, entry: dict[str, Any], group_size: int) -> int:
+    """nccl-tests' size from the recorded input: an all-gather's output is its input from every
+    rank (gloo's record of a functional all-gather gives the output the input's shape)."""
+    sizes, dtypes = entry["input_sizes"], entry["input_dtypes"]
+    size = sum(_numel(s) * DTYPE_BYTES[d] for s, d in zip(sizes, dtypes, strict=True))
+    return size * group_size if op == "all_gather" else size
 
 
 def _fr_op(entry: dict[str, Any]) -> str:
@@ -75,16 +76,16 @@ def step_collectives(record: dict[str, Any]) -> list[Collective]:
     timeline: list[tuple[int, int, Collective]] = []
     renamed: set[int] = set()
     for call in (c for c in own if c["op"] == "reduce_scatter"):
-        inside = [i for i, e in enumerate(record["entries"]) if i not in renamed
-                  and call["start_ns"] <= e["time_created_ns"] <= call["end_ns"]]
+        inside = {i for i, e in enumerate(record["entries"])
+                  if call["start_ns"] <= e["time_created_ns"] <= call["end_ns"]}
         if not inside:
             raise RunError(f"no flight-recorder entry for a reduce_scatter at "
                            f"{call['start_ns']} ns on rank {record['rank']}")
-        renamed.add(inside[0])
+        renamed |= inside
     for i, entry in enumerate(record["entries"]):
         op = "reduce_scatter" if i in renamed else _fr_op(entry)
         size = groups.get(entry["process_group"][0], 0)
-        timeline.append((entry["time_created_ns"], i, (op, _fr_bytes(op, entry), size)))
+        timeline.append((entry["time_created_ns"], i, (op, _fr_bytes(op, entry, size), size)))
     for call in (c for c in own if c["op"] in ("send", "recv")):
         timeline.append((call["start_ns"], -1, (call["op"], call["bytes"], 2)))
     return [c for _, _, c in sorted(timeline)]
