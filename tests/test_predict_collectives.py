@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import ranks
 from dtlab.config import load_config
 from dtlab.config.strategies.registry import parse as parse_spec
 from dtlab.predict.trace import collectives_of, trace_step
-from dtlab.predict.truth import recorded_collectives, run_args
+from dtlab.predict.truth import forget_deepspeed_groups, recorded_collectives, run_args
 
 STEPS = 3  # DDP rebuilds its buckets in step 2 (broadcasts a steady step does not make)
 GPT_TINY = ["model.name=gpt", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
@@ -40,6 +39,7 @@ def every_run(argv: list[str]) -> int:
     of its own: the last one's store may still hold its port."""
     import os
 
+    from dtlab.predict.truth import forget_deepspeed_groups
     from dtlab.train import main
 
     for port, args in json.loads(argv[0]):
@@ -49,20 +49,6 @@ def every_run(argv: list[str]) -> int:
         if code:
             return code
     return 0
-
-
-def forget_deepspeed_groups() -> None:
-    """DeepSpeed keeps the process groups it made in module globals: a second engine in this
-    process would use the first one's, destroyed with its run."""
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is None:
-        return
-    for name, value in vars(groups).items():
-        if name.startswith("_") and name.isupper() and name.endswith("GROUP"):
-            setattr(groups, name, None)
-        elif name.startswith("_") and name.endswith(("GROUP", "GROUP_RANKS")) and \
-                isinstance(value, dict):
-            value.clear()
 
 
 def free_ports(n: int) -> list[int]:
