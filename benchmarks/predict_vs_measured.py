@@ -2,7 +2,7 @@
 
     python benchmarks/predict_vs_measured.py [--configs gpt,cnn] [--strategies ddp,fsdp,...]
         [--ranks 1,2,4] [--variants base,accum,ac] [--steps 12] [--cluster cpu_gloo]
-        [--no-collectives] [--json FILE]
+        [--no-collectives | --collectives-only] [--json FILE]
 
 For each row (config, variant, strategy, ranks): the predicted step (dtlab.predict.core.
 predict_step: compute measured on this CPU at the strategy's per-rank shapes, communication
@@ -75,8 +75,13 @@ def predicted_collectives(cfg_path: str, overrides: list[str], strategy: str,
     return out
 
 
-def compare_collectives(predicted: dict[int, list], recorded: dict[int, list]) -> str:
-    """'equal (N per rank)' or where the first rank that differs does."""
+def compare_collectives(cfg_path: str, overrides: list[str], strategy: str,
+                        recorded: dict[int, list]) -> str:
+    """'equal (N per rank)', where the first rank that differs does, or why no trace was made."""
+    try:
+        predicted = predicted_collectives(cfg_path, overrides, strategy, len(recorded))
+    except Exception as e:  # one row's failure must not lose the others  # noqa: BLE001
+        return f"not traced: {type(e).__name__}: {str(e).strip().splitlines()[0]}"
     for rank in sorted(recorded):
         p, r = predicted.get(rank, []), recorded[rank]
         if p != r:
@@ -119,16 +124,23 @@ def run_row(config: str, variant: str, strategy: str, ranks: int, args: argparse
         strategy_config(Request(path, overrides, ranks, ranks, cluster), strategy)
     except ConfigError as e:
         return {**row, "skipped": str(e)}
-    predicted = predict(path, overrides, strategy, ranks, cluster)
     record = ranks == 4 and args.collectives
-    measured = measure_run(path, [*overrides, *parse_spec(strategy)], ranks, args.steps,
-                           record=record)
-    row |= {"predicted_s": predicted["step_s"], "measured_s": measured["step_s"],
-            "error": predicted["step_s"] / measured["step_s"] - 1,
-            "sources": predicted["sources"], "notes": predicted["notes"]}
-    if record:
-        row["collectives"] = compare_collectives(
-            predicted_collectives(path, overrides, strategy, ranks), measured["collectives"])
+    if args.collectives_only:  # 3 steps: DDP's bucket rebuild in step 2, the recorded step 3
+        measured = measure_run(path, [*overrides, *parse_spec(strategy)], ranks, 3, record=True)
+    else:
+        try:
+            predicted = predict(path, overrides, strategy, ranks, cluster)
+        except Exception as e:  # one row's failure must not lose the others  # noqa: BLE001
+            return {**row, "skipped": f"prediction failed: {type(e).__name__}: "
+                                      f"{str(e).strip().splitlines()[0]}"}
+        measured = measure_run(path, [*overrides, *parse_spec(strategy)], ranks, args.steps,
+                               record=record)
+        row |= {"predicted_s": predicted["step_s"], "measured_s": measured["step_s"],
+                "error": predicted["step_s"] / measured["step_s"] - 1,
+                "sources": predicted["sources"], "notes": predicted["notes"]}
+    if record or args.collectives_only:
+        row["collectives"] = compare_collectives(path, overrides, strategy,
+                                                 measured["collectives"])
     return row
 
 
@@ -168,6 +180,8 @@ def main() -> None:
     parser.add_argument("--cluster", default="cpu_gloo")
     parser.add_argument("--no-collectives", dest="collectives", action="store_false",
                         help="skip the 4-rank collectives check")
+    parser.add_argument("--collectives-only", action="store_true",
+                        help="only the collectives check, on --ranks (default 4), no timing")
     parser.add_argument("--json", type=Path, help="write the rows and the summary here")
     args = parser.parse_args()
     unknown = [c for c in args.configs if c not in CONFIGS] + \
@@ -179,16 +193,20 @@ def main() -> None:
     from dtlab.predict.cluster import load_cluster
 
     cluster = load_cluster(args.cluster)
+    if args.collectives_only and args.ranks == [1, 2, 4]:
+        args.ranks, args.variants = [4], ["base"]
     rows, started = [], time.monotonic()
     for config, variant, strategy, ranks in matrix(args):
         row = run_row(config, variant, strategy, ranks, args, cluster)
         rows.append(row)
-        said = (f"skipped ({row['skipped']})" if "skipped" in row else
-                f"predicted {row['predicted_s'] * 1e3:.1f} ms, measured "
-                f"{row['measured_s'] * 1e3:.1f} ms, {100 * row['error']:+.1f}%")
+        said = [f"skipped ({row['skipped']})"] if "skipped" in row else []
+        if "error" in row:
+            said.append(f"predicted {row['predicted_s'] * 1e3:.1f} ms, measured "
+                        f"{row['measured_s'] * 1e3:.1f} ms, {100 * row['error']:+.1f}%")
+        if "collectives" in row:
+            said.append(f"collectives {row['collectives']}")
         print(f"[{time.monotonic() - started:5.0f} s] {config} {variant} {strategy} x{ranks}: "
-              f"{said}{'; collectives ' + row['collectives'] if 'collectives' in row else ''}",
-              flush=True)
+              f"{'; '.join(said)}", flush=True)
     print(f"\n{time.strftime('%Y-%m-%d')}, cluster {cluster.name}, {args.steps} steps per run\n")
     print(markdown(rows))
     if args.json:

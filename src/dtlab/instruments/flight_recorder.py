@@ -1,7 +1,8 @@
 """The flight recorder: every rank keeps its last `run.flight_recorder` collectives (PyTorch's own
 ring buffer, for gloo and NCCL) and writes them to RUN_DIR/flight_recorder/rank<r>.json when the
 run fails, a collective times out, or a signal stops it. `dtlab doctor hang RUN_DIR`
-(dtlab/doctor/hang.py) reads them back and says which rank stopped at which collective.
+(dtlab/doctor/hang.py) reads them back and says which rank stopped at which collective. For `dtlab predict`'s checks, a
+run may also write the collectives of one chosen step (DTLAB_RECORD_STEP, step_window below).
 
 The buffer is on by default for distributed runs: about 16 us per collective, under 1% of the
 quick config's step (docs/benchmarks.md#flight-recorder). On NCCL the watchdog that aborts a
