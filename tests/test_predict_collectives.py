@@ -143,3 +143,33 @@ def test_predicted_collectives_equal_a_real_step(recorded: dict[str, dict[int, l
         forget_deepspeed_groups()  # trace_step does not yet: a second DeepSpeed trace fails
         predicted = collectives_of(trace_step(cfg, 2, rank, 2, device="cpu"))
         assert predicted == recorded[spec][rank], f"{spec} rank {rank}"
+
+
+def fr_entry(name: str, t: int, inputs: list[list[int]], dtype: str = "Float",
+             group: str = "0") -> dict:
+    return {"profiling_name": f"gloo:{name}", "time_created_ns": t, "input_sizes": inputs,
+            "input_dtypes": [dtype] * len(inputs), "process_group": [group, ""]}
+
+
+def test_a_step_record_becomes_nccl_tests_sizes_in_issue_order() -> None:
+    """A rank's step record turns into nccl-tests sizes in issue order: an all-gather counts its
+    gathered output, a coalesced call its summed inputs, gloo's all-reduce made inside a
+    reduce-scatter call is that reduce-scatter, and sends and receives (absent from gloo's record)
+    come from dtlab's own record; a step the ring buffer could not hold is refused."""
+    from dtlab.errors import RunError
+    from dtlab.predict.truth import step_collectives
+
+    record = {"rank": 0, "step": 3, "pg_config": {"0": {"ranks": "[0, 1, 2, 3]"},
+                                                  "5": {"ranks": "[0, 2]"}},
+              "entries": [fr_entry("all_gather", 10, [[8, 2]], "BFloat16"),
+                          fr_entry("all_reduce", 20, [[4], [6]]),
+                          fr_entry("all_reduce", 31, [[16]], group="5"),
+                          fr_entry("broadcast", 50, [[]], "Long")],
+              "own": [{"op": "reduce_scatter", "bytes": 64, "peer": None, "start_ns": 30,
+                       "end_ns": 32},
+                      {"op": "send", "bytes": 12, "peer": 1, "start_ns": 40, "end_ns": 41}]}
+    assert step_collectives(record) == [("all_gather", 128, 4), ("all_reduce", 40, 4),
+                                        ("reduce_scatter", 64, 2), ("send", 12, 2),
+                                        ("broadcast", 8, 4)]
+    with pytest.raises(RunError, match="more collectives than the flight recorder keeps"):
+        step_collectives({**record, "entries_lost": True})

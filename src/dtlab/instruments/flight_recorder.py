@@ -170,9 +170,13 @@ def step_window(run_dir: Path, step: int, rank: int) -> Iterator[None]:
         end, own, _own = time.time_ns(), _own, None
     raw = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True,
                                                                     onlyActive=False))
-    entries = [e for e in raw.get("entries", []) if start <= e["time_created_ns"] <= end]
+    kept = raw.get("entries", [])
+    entries = [e for e in kept if start <= e["time_created_ns"] <= end]
+    # the ring buffer was full and its oldest entry is from this step: earlier ones were lost
+    lost = len(kept) >= int(os.environ["TORCH_FR_BUFFER_SIZE"]) and bool(entries) and \
+        entries[0] is kept[0]
     record = {"step": step, "rank": rank, "start_ns": start, "end_ns": end, "entries": entries,
-              "pg_config": group_config(), "own": own}
+              "pg_config": group_config(), "own": own, "entries_lost": lost}
     path = run_dir / DIR / f"step{step}_rank{rank}.json"
     path.parent.mkdir(exist_ok=True)
     files.replace_whole(path, lambda tmp: tmp.write_text(json.dumps(record)))

@@ -70,6 +70,9 @@ def _fr_op(entry: dict[str, Any]) -> str:
 def step_collectives(record: dict[str, Any]) -> list[Collective]:
     """One rank's step record (flight_recorder.step_window) -> (op, bytes, group size) of every
     collective and point-to-point call, in the order the rank issued them."""
+    if record.get("entries_lost"):
+        raise RunError(f"rank {record['rank']}'s step {record['step']} issued more collectives "
+                       "than the flight recorder keeps; fix: a larger run.flight_recorder")
     groups = {name: len(json.loads(g["ranks"])) for name, g in record["pg_config"].items()}
     own = record["own"]
     # (time, tie-break, item): the recorder's entries, renamed where a call of ours made them
@@ -97,7 +100,8 @@ def recorded_collectives(run_dir: Path, step: int, nproc: int) -> dict[int, list
     for rank in range(nproc):
         path = run_dir / DIR / f"step{step}_rank{rank}.json"
         if not path.exists():
-            raise RunError(f"{path} is missing: rank {rank} did not record step {step}")
+            raise RunError(f"{path} is missing: rank {rank} did not record step {step} (a run "
+                           "of fewer steps, or run.flight_recorder=0)")
         out[rank] = step_collectives(json.loads(path.read_text()))
     return out
 
