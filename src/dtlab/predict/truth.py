@@ -136,7 +136,8 @@ def measure_run(cfg_path: str | None, overrides: list[str], nproc: int, steps: i
                 record: bool = False, timeout_s: float = 600) -> dict[str, Any]:
     """Run `python -m dtlab train --nproc-per-node NPROC` for `steps` steps (the first third, at
     least one, is warm-up) and return the median step time from its summary.json; with `record`,
-    also the collectives each rank issued in the last step (one step after the warm-up)."""
+    also the collectives each rank issued in the last step (one step after the warm-up; its
+    record, a few milliseconds, is inside that step's time: one of the medianed steps)."""
     warmup = max(1, steps // 3)
     if steps <= warmup:
         raise ValueError(f"steps={steps}: at least 2 (one warm-up step, one timed)")
