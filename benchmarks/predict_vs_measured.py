@@ -35,7 +35,7 @@ from typing import Any
 from dtlab.config import load_config
 from dtlab.config.strategies.registry import parse as parse_spec
 from dtlab.errors import ConfigError
-from dtlab.predict.truth import forget_deepspeed_groups, measure_run
+from dtlab.predict.truth import forget_deepspeed_groups, measure_run, split_alone
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {  # label -> (config file, overrides): small enough that a run takes seconds here
@@ -64,14 +64,16 @@ def predict(cfg_path: str, overrides: list[str], strategy: str, ranks: int,
 
 
 def predicted_collectives(cfg_path: str, overrides: list[str], strategy: str,
-                          ranks: int) -> dict[int, list[tuple[str, int, int]]]:
+                          ranks: int) -> dict[int, tuple[list[tuple[str, int, int]], int]]:
+    """{rank: (its traced collectives, how many over a group of one it left out)}."""
     from dtlab.predict.trace import collectives_of, trace_step
 
     cfg = load_config(cfg_path, [*overrides, *parse_spec(strategy)])
     out = {}
     for rank in range(ranks):
         forget_deepspeed_groups()
-        out[rank] = collectives_of(trace_step(cfg, ranks, rank, ranks, device="cpu"))
+        trace = trace_step(cfg, ranks, rank, ranks, device="cpu")
+        out[rank] = (collectives_of(trace), int(trace.meta.get("alone", 0)))
     return out
 
 
@@ -83,14 +85,17 @@ def compare_collectives(cfg_path: str, overrides: list[str], strategy: str,
     except Exception as e:  # one row's failure must not lose the others  # noqa: BLE001
         return f"not traced: {type(e).__name__}: {str(e).strip().splitlines()[0]}"
     for rank in sorted(recorded):
-        p, r = predicted.get(rank, []), recorded[rank]
+        (p, p_alone), (r, r_alone) = predicted[rank], split_alone(recorded[rank])
+        if p_alone != r_alone:
+            return (f"rank {rank}: {p_alone} collectives over a group of one traced, "
+                    f"{r_alone} recorded")
         if p != r:
             at = next((i for i, (a, b) in enumerate(zip(p, r, strict=False)) if a != b),
                       min(len(p), len(r)))
             return (f"rank {rank}: {len(p)} predicted, {len(r)} recorded; first difference at "
                     f"#{at}: predicted {p[at] if at < len(p) else None}, recorded "
                     f"{r[at] if at < len(r) else None}")
-    counts = sorted({len(r) for r in recorded.values()})
+    counts = sorted({len(split_alone(r)[0]) for r in recorded.values()})
     return f"equal ({'/'.join(map(str, counts))} per rank)"
 
 

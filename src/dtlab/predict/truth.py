@@ -94,6 +94,13 @@ def step_collectives(record: dict[str, Any]) -> list[Collective]:
     return [c for _, _, c in sorted(timeline)]
 
 
+def split_alone(collectives: list[Collective]) -> tuple[list[Collective], int]:
+    """(those over a group of more than one rank, how many over a group of one): the trace
+    leaves the latter out, as they move nothing (HSDP's replica all-reduce at one replica)."""
+    moving = [c for c in collectives if c[2] > 1]
+    return moving, len(collectives) - len(moving)
+
+
 def recorded_collectives(run_dir: Path, step: int, nproc: int) -> dict[int, list[Collective]]:
     """The step records every rank of a finished run wrote -> {rank: collectives}."""
     out = {}
