@@ -34,7 +34,9 @@ GPT_TINY = ["model.name=gpt", "model.n_layer=2", "model.n_head=2", "model.n_embd
             "model.block_size=16", "model.vocab_size=64", "data.synthetic.train_samples=256",
             "data.synthetic.val_samples=32", "train.global_batch_size=8", "train.grad_clip=1.0"]
 SPECS = ["ddp", "fsdp", "fsdp1", "zero1", "hsdp", "tp", "fsdp_tp", "pp", "deepspeed:1",
-         "deepspeed:2", "deepspeed:3"]
+         "deepspeed:2", "deepspeed:3", "ddp+accum", "fsdp+ac"]
+VARIANTS = {"accum": ["train.grad_accum_steps=2"],  # no-sync micro steps
+            "ac": ["train.activation_checkpointing=full"]}  # the recompute's all-gathers
 HAS_DS = importlib.util.find_spec("deepspeed") is not None
 
 
@@ -69,7 +71,13 @@ def free_ports(n: int) -> list[int]:
 
 
 def args_of(spec: str, run_dir: Path) -> list[str]:
-    return run_args(None, [*GPT_TINY, *parse_spec(spec)], STEPS, run_dir, warmup=1)
+    return run_args(None, overrides_of(spec), STEPS, run_dir, warmup=1)
+
+
+def overrides_of(spec: str) -> list[str]:
+    """A strategy spec, +variant: the tiny GPT's overrides."""
+    strategy, _, variant = spec.partition("+")
+    return [*GPT_TINY, *parse_spec(strategy), *VARIANTS.get(variant, [])]
 
 
 def specs() -> list[str]:
@@ -79,7 +87,7 @@ def specs() -> list[str]:
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, list]]:
     root = tmp_path_factory.mktemp("collectives")
-    runs = {spec: root / spec.replace(":", "-") for spec in specs()}
+    runs = {spec: root / spec.replace(":", "-").replace("+", "-") for spec in specs()}
     plan = list(zip(free_ports(len(runs)), [args_of(s, d) for s, d in runs.items()], strict=True))
     proc = ranks.start(2, [json.dumps(plan)],
                        target=every_run, env={"DTLAB_RECORD_STEP": str(STEPS)})
@@ -102,12 +110,14 @@ def total(collectives: list, op: str) -> int:
 def test_recorded_steps_add_up_to_the_model(recorded: dict[str, dict[int, list]]) -> None:
     """A real step's recorded collectives carry the model's bytes: DDP and ZeRO-1 all-reduce every
     gradient once, ZeRO-1 broadcasts every parameter from its owner, FSDP1/2 reduce-scatter every
-    gradient (renamed from gloo's all-reduce), DeepSpeed 1/2 all-gather every parameter."""
+    gradient (renamed from gloo's all-reduce), DeepSpeed 1/2 all-gather every parameter; with
+    two accumulation micro steps DDP still all-reduces once."""
     grads = gradient_bytes()
     for spec, by_rank in recorded.items():
         assert by_rank[0] and by_rank[0] == by_rank[1] or spec == "pp", spec  # symmetric ranks
         assert all(0 < size <= 2 for rank in by_rank.values() for _, _, size in rank), spec
     assert recorded["ddp"][0] == [("all_reduce", grads, 2)]  # one bucket: the whole gradient
+    assert recorded["ddp+accum"] == recorded["ddp"]  # the first micro step does not sync
     assert total(recorded["zero1"][0], "all_reduce") == grads
     assert total(recorded["zero1"][0], "broadcast") == grads
     for spec in ("fsdp", "fsdp1"):
@@ -144,7 +154,7 @@ def test_predicted_collectives_equal_a_real_step(recorded: dict[str, dict[int, l
     group of one rank, which move nothing, the trace counts apart: as many)."""
     if spec not in recorded:
         pytest.skip("deepspeed not installed: pip install 'dtlab[deepspeed]'")
-    cfg = load_config(None, [*GPT_TINY, *parse_spec(spec)])
+    cfg = load_config(None, overrides_of(spec))
     for rank in (0, 1):
         forget_deepspeed_groups()  # trace_step does not yet: a second DeepSpeed trace fails
         trace = trace_step(cfg, 2, rank, 2, device="cpu")
