@@ -213,7 +213,8 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
                             run.usage.add(step_idx)
                         ctx.synchronize()
                     data_time = time.perf_counter() - t0
-                    step_loss = tr.stepper(batches)
+                    with flight_recorder.step_window(run_dir, step, ctx.rank):
+                        step_loss = tr.stepper(batches)
                     ctx.synchronize()
                     run.record_step(time.perf_counter() - t0, data_time)
                 if len(run.step_times) == cfg.run.timing_warmup_steps:  # timed steps from here
