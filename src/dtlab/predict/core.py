@@ -194,6 +194,8 @@ def predict_step(path: str | None, overrides: list[str], token: str, world: int,
                  cluster: Any, threads: int | None = None) -> dict[str, Any]:
     """The prediction `--validate` and benchmarks/predict_vs_measured.py check against a run
     here: compute measured on this device at the strategy's per-rank shapes."""
+    if threads is None and cluster.cores:  # what dtlab train gives each rank (distributed.py)
+        threads = max(1, cluster.cores // world)
     return predict(Request(path, list(overrides), world, world, cluster, measure=True,
                            threads=threads), token)
 
