@@ -24,12 +24,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by dist
 from torch.futures import Future
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from dtlab.predict.events import Compute, Event, Issue, Wait
+from dtlab.predict.functional import tell_group
 
 BACKEND = "dtlab_record"
 
@@ -55,11 +57,12 @@ class Recorder:
         self.issued: set[int] = set()
         self.waited: set[int] = set()
         self.futures: set[int] = set()  # issues whose result was taken as a future (DDP)
+        self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # see `awaits`
         self.alone = 0  # collectives in a group of one rank (not recorded)
 
     def start(self, timed: bool, sync: Callable[[], None]) -> None:
         self.events, self.next_id, self.alone = [], 0, 0
-        self.issued, self.waited, self.futures = set(), set(), set()
+        self.issued, self.waited, self.futures, self.pending = set(), set(), set(), {}
         self.on, self.timed, self.sync = True, timed, sync
         self.phase, self.block, self.micro = "other", None, 0
         self._reset_stretch()
@@ -114,6 +117,17 @@ class Recorder:
             self.close()
             self.waited.add(issue_id)
             self.events.append(Wait(issue_id))
+
+    def awaits(self, t: torch.Tensor, issue_id: int) -> None:
+        """`t`, the output of a functional collective on fake tensors, is waited with
+        `wait_tensor` of it or of a view of it (its storage), as torch's kernel waits its work."""
+        self.pending[t.untyped_storage()._cdata] = (issue_id, t)
+
+    def wait_tensor(self, t: torch.Tensor) -> None:
+        """`_c10d_functional.wait_tensor(t)` on fake tensors (`awaits`)."""
+        issue_id, _ = self.pending.pop(t.untyped_storage()._cdata, (None, None))
+        if issue_id is not None:
+            self.wait(issue_id)
 
     def wait_futures(self) -> None:
         """Results handed over as futures (DDP's buckets) are needed when the backward ends."""
@@ -217,17 +231,17 @@ class RecordingGroup(dist.ProcessGroup):
         return self._record("broadcast", nbytes(tensors), tensors, work, tensors)
 
     def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> RecordingWork:
-        work = self.inner.allgather(outputs, inputs, opts or dist.AllgatherOptions())
+        work = self.inner.allgather(outputs, inputs, opts or AllgatherOptions())
         flat = [t for out in outputs for t in out]
         return self._record("all_gather", nbytes(flat), inputs, work, flat)
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> RecordingWork:
-        work = self.inner.allgather_coalesced(outputs, inputs, opts or dist.AllgatherOptions())
+        work = self.inner.allgather_coalesced(outputs, inputs, opts or AllgatherOptions())
         flat = [t for out in outputs for t in out]
         return self._record("all_gather", nbytes(flat), inputs, work, flat)
 
     def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> RecordingWork:
-        work = self.inner._allgather_base(output, input, opts or dist.AllgatherOptions())
+        work = self.inner._allgather_base(output, input, opts or AllgatherOptions())
         return self._record("all_gather", nbytes([output]), [input], work, [output])
 
     _allgather_base = all_gather_single
@@ -235,7 +249,7 @@ class RecordingGroup(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any,
                                     opts: Any = None) -> RecordingWork:
         for out, inp in zip(outputs, inputs, strict=True):
-            self.inner._allgather_base(out, inp, opts or dist.AllgatherOptions())
+            self.inner._allgather_base(out, inp, opts or AllgatherOptions())
         return self._record("all_gather", nbytes(outputs), inputs, None, list(outputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -319,6 +333,7 @@ def register() -> None:
 # --- FLOPs, bytes and the functional collectives' waits -------------------------------------
 _DEVICE = torch.ops.prim.device.default
 _SHAPE_ONLY = {_DEVICE, torch.ops.aten.detach.default}
+_WRAP = "_wrap_tensor_autograd"  # registered by torch.distributed._functional_collectives
 
 
 class CountingMode(TorchDispatchMode):
@@ -335,7 +350,8 @@ class CountingMode(TorchDispatchMode):
         from torch.distributed.tensor import DTensor
 
         self.dtensor, self.fake = DTensor, (() if fake else FakeTensor)
-        self.pending: dict[int, int] = {}  # id(output tensor) -> issue id of a functional op
+        self.on_fake = fake
+        self.propagating = 0  # inside DTensor's sharding propagation (global shapes: uncounted)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is _DEVICE:
@@ -343,7 +359,8 @@ class CountingMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(issubclass(t, self.dtensor) for t in types):
             return NotImplemented
-        if not RECORDER.on or (self.fake and any(issubclass(t, self.fake) for t in types)):
+        if not RECORDER.on or self.propagating or (
+                self.fake and any(issubclass(t, self.fake) for t in types)):
             return func(*args, **kwargs)
         if func.namespace == "_c10d_functional":
             return self._functional(func, args, kwargs)
@@ -360,18 +377,46 @@ class CountingMode(TorchDispatchMode):
                               if isinstance(t, torch.Tensor))
         return out
 
+    def __enter__(self) -> CountingMode:
+        """DTensor's sharding propagation runs each op on fake tensors of the global shapes, to
+        learn the output's: on a meta trace those are the step's own kind of tensor, so the
+        propagation is marked (`propagating`) and its ops are not counted."""
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        self._propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+        propagate, mode = self._propagate, self
+
+        def marked(prop: Any, op_schema: Any) -> Any:
+            mode.propagating += 1
+            try:
+                return propagate(prop, op_schema)
+            finally:
+                mode.propagating -= 1
+        ShardingPropagator._propagate_tensor_meta_non_cached = marked
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
+        super().__exit__(*exc)
+
     def _functional(self, func: Any, args: Any, kwargs: Any) -> Any:
-        if func.__name__.startswith("wait_tensor"):
-            issue_id = self.pending.pop(id(args[0]), None)
-            if issue_id is not None:
-                RECORDER.wait(issue_id)
+        """On real tensors torch's kernel calls the group (recorded) and `wait_tensor` waits the
+        group's work (recorded). On fake tensors the fake mode answers both: the group is called
+        here (functional.py), and the output's wait is the fake mode's `wait_tensor` of a tensor
+        on its storage (fake_host.HostFake)."""
+        if not self.on_fake or func._overloadpacket.__name__ == "wait_tensor":
             return func(*args, **kwargs)
-        before = RECORDER.next_id
+        if func._overloadpacket.__name__ == _WRAP:  # its fake kernel: a plain tensor, never waited
+            from torch.distributed._functional_collectives import AsyncCollectiveTensor
+            return AsyncCollectiveTensor(args[0])  # what its real kernel returns
         out = func(*args, **kwargs)
-        if RECORDER.next_id > before:  # the group recorded it (its Work is not waited on)
+        before = RECORDER.next_id
+        if tell_group(func, args, kwargs, out) and RECORDER.next_id > before:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
-                    self.pending[id(t)] = RECORDER.next_id
+                    RECORDER.awaits(t, RECORDER.next_id)
         return out
 
 
