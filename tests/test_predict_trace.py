@@ -208,3 +208,18 @@ def test_meta_trace_of_tensor_parallel_is_the_cpu_trace(model: str, spec: str, w
     assert len(collectives_of(cpu)) > 10 and collectives_of(meta) == collectives_of(cpu)
     assert step_shape(meta) == step_shape(cpu)
     assert waits_follow_issues(meta.events)
+
+
+@pytest.mark.parametrize("spec", ["ddp", "fsdp", "tp"])
+def test_trace_holds_the_strategys_state_bytes(spec: str) -> None:
+    """A trace, on cpu and on meta, holds the traced rank's parameter, gradient and optimizer bytes (the strategy's own state_bytes), as dtlab estimate measures them."""
+    import torch
+
+    from dtlab.estimate.measure import measure_rank
+
+    cfg = config(spec, "train.optimizer=adamw")
+    expected = measure_rank(cfg, 0, 2, 2, torch.device("cpu"))[0]
+    expected.pop("rank")
+    assert expected["optim_bytes"] > expected["param_bytes"] > 0
+    for device in ("cpu", "meta"):
+        assert trace(spec, "train.optimizer=adamw", device=device).meta["state_bytes"] == expected

@@ -336,13 +336,25 @@ _SHAPE_ONLY = {_DEVICE, torch.ops.aten.detach.default}
 _WRAP = "_wrap_tensor_autograd"  # registered by torch.distributed._functional_collectives
 
 
+def _tensor_bytes(values: Any) -> int:
+    """The bytes of the tensors among `values`, in lists and tuples too (an op's arguments;
+    cheaper than a pytree walk, on every op)."""
+    n = 0
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            n += v.numel() * v.element_size()
+        elif isinstance(v, (list, tuple)):
+            n += _tensor_bytes(v)
+    return n
+
+
 class CountingMode(TorchDispatchMode):
     """Adds each op's FLOPs (torch's flop formulas, as FlopCounterMode counts them) and the bytes
     of its tensor inputs and outputs (a rough roofline figure) to the recorder's stretch.
     DTensors are let through to their own dispatch, whose local ops come back here (so the
     counts are per rank); FakeTensors (DTensor's shape propagation) are not counted, unless the
-    step itself runs on them (`fake`: a model too big for this machine, trace.host_mode).
-    `_c10d_functional.wait_tensor` is a Wait of the collective that made its tensor."""
+    step itself runs on them (`fake`: a model too big for this machine, trace.host_mode), and
+    then the functional collectives are handed to their group here (`_functional`)."""
 
     def __init__(self, fake: bool = False) -> None:
         super().__init__()
@@ -372,9 +384,8 @@ class CountingMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         if packet in flop_registry:
             RECORDER.flops += flop_registry[packet](*args, **kwargs, out_val=out)
-        flat, _ = tree_flatten((args, kwargs, out))
-        RECORDER.bytes += sum(t.numel() * t.element_size() for t in flat
-                              if isinstance(t, torch.Tensor))
+        RECORDER.bytes += _tensor_bytes(args) + _tensor_bytes(kwargs.values()) + _tensor_bytes(
+            (out,))
         return out
 
     def __enter__(self) -> CountingMode:
