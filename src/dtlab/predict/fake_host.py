@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dtlab.predict.record import RECORDER
+from dtlab.predict.recorder import RECORDER
 
 
 def on_host(model: nn.Module) -> nn.Module:

@@ -34,9 +34,11 @@ from dtlab.config import Config, check_world, model_parallel_size
 from dtlab.config.strategies import registry
 from dtlab.data import spec_for
 from dtlab.errors import ConfigError
+from dtlab.predict.counting import CountingMode
 from dtlab.predict.events import Compute, Event, Issue, Trace
 from dtlab.predict.fake_host import fake_reducers, host_mode, on_host
-from dtlab.predict.record import BACKEND, RECORDER, CountingMode, recording_group
+from dtlab.predict.record import BACKEND, recording_group
+from dtlab.predict.recorder import RECORDER
 
 
 def _in_backward() -> bool:
