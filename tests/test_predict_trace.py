@@ -171,3 +171,55 @@ def test_a_group_of_one_rank_is_left_out() -> None:
         assert t.meta["alone"] > 0 and all(len(e.group) == 2 for e in t.issues())
         assert collectives_of(t) == collectives_of(trace("fsdp", device=device))
         assert waits_follow_issues(t.events)
+
+
+LLAMA = ["model.name=hf", "model.hf.config.model_type=llama", "model.hf.config.vocab_size=128",
+         "model.hf.config.hidden_size=64", "model.hf.config.intermediate_size=128",
+         "model.hf.config.num_hidden_layers=2", "model.hf.config.num_attention_heads=4",
+         "model.hf.config.num_key_value_heads=2", "model.hf.config.max_position_embeddings=64",
+         "model.hf.config.tie_word_embeddings=false", "model.block_size=32",
+         "train.global_batch_size=8"]
+
+
+def step_shape(t) -> list[tuple]:
+    """Issues, Waits (by issue order) and the Computes that counted FLOPs, in step order."""
+    order: dict[int, int] = {}
+    out: list[tuple] = []
+    for e in t.events:
+        if isinstance(e, Issue):
+            order[e.id] = len(order)
+            out.append(("issue", e.op, e.bytes, e.group, e.phase, e.block, e.micro))
+        elif isinstance(e, Wait):
+            out.append(("wait", order[e.id]))
+        elif e.flops:
+            out.append(("compute", e.phase, e.block, e.micro, e.flops))
+    return out
+
+
+@pytest.mark.parametrize("model,spec,world", [
+    ("gpt", "tp", 4), ("gpt", "fsdp_tp@2x2", 4), ("llama", "tp", 2), ("llama", "fsdp_tp@2x2", 4)])
+def test_meta_trace_of_tensor_parallel_is_the_cpu_trace(model: str, spec: str, world: int) -> None:
+    """tp and fsdp_tp (a GPT and a Hugging Face Llama) traced on the meta device: the functional collectives of DTensor are issued and waited where a cpu trace has them, with its FLOPs per Compute (the sharding propagation's global shapes uncounted)."""
+    if model == "llama":
+        pytest.importorskip("transformers")
+    base = [*GPT, "model.n_head=4"] if model == "gpt" else LLAMA
+    cfg = load_config(None, [*base, *parse(spec)])
+    cpu, meta = (trace_step(cfg, world, 0, world, device=d) for d in ("cpu", "meta"))
+    assert len(collectives_of(cpu)) > 10 and collectives_of(meta) == collectives_of(cpu)
+    assert step_shape(meta) == step_shape(cpu)
+    assert waits_follow_issues(meta.events)
+
+
+@pytest.mark.parametrize("spec", ["ddp", "fsdp", "tp"])
+def test_trace_holds_the_strategys_state_bytes(spec: str) -> None:
+    """A trace, on cpu and on meta, holds the traced rank's parameter, gradient and optimizer bytes (the strategy's own state_bytes), as dtlab estimate measures them."""
+    import torch
+
+    from dtlab.estimate.measure import measure_rank
+
+    cfg = config(spec, "train.optimizer=adamw")
+    expected = measure_rank(cfg, 0, 2, 2, torch.device("cpu"))[0]
+    expected.pop("rank")
+    assert expected["optim_bytes"] > expected["param_bytes"] > 0
+    for device in ("cpu", "meta"):
+        assert trace(spec, "train.optimizer=adamw", device=device).meta["state_bytes"] == expected

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from dtlab.predict.recorder import RECORDER
+
 
 def on_host(model: nn.Module) -> nn.Module:
     """`model`'s meta parameters and buffers replaced by empty host ones (fake, under
@@ -59,12 +61,41 @@ def host_mode(device: str) -> Iterator[torch.device]:
     ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
     torch.utils.swap_tensors = partial(_swap_fake, swap)
     DeviceMesh.__init__ = _real(mesh)
+    tracing = _eager_dtensor()
     try:
         with HostFake(allow_non_fake_inputs=True):
             yield torch.device("cpu")
     finally:
         ddp._verify_param_shape_across_processes, torch.utils.swap_tensors = check, swap
         DeviceMesh.__init__ = mesh
+        for module, fn in tracing.items():
+            module._are_we_tracing = fn
+
+
+_TRACING_READERS = ("torch.distributed._functional_collectives", "torch.distributed.tensor._dispatch",
+                    "torch.distributed.tensor._redistribute",
+                    "torch.distributed.tensor._sharding_prop",
+                    "torch.distributed.tensor._collective_utils",
+                    "torch.distributed.tensor._decompositions")
+
+
+def _eager_dtensor() -> dict[Any, Callable[[], bool]]:
+    """DTensor and the functional collectives take an active fake mode for a compiler's tracing
+    (`_are_we_tracing`): they would wait on every collective at once, where an eager step waits
+    when the result is used, and not cache sharding propagation. A meta trace is an eager step on
+    fake tensors: "not tracing" in every module that reads it (the originals are returned)."""
+    import importlib
+
+    before = {}
+    for name in _TRACING_READERS:
+        module = importlib.import_module(name)
+        before[module] = module._are_we_tracing
+        module._are_we_tracing = _not_tracing
+    return before
+
+
+def _not_tracing() -> bool:
+    return False
 
 
 def _real(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -80,6 +111,7 @@ def _real(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DEVICE = torch.ops.prim.device.default
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 class HostFake(FakeTensorMode):
@@ -92,6 +124,8 @@ class HostFake(FakeTensorMode):
                            kwargs: Any = None) -> Any:
         if func is _DEVICE:  # asked of every tensor the autograd engine meets: ~90% of the calls
             return args[0].fake_device
+        if func is _WAIT:  # the fake kernel waits on nothing; the real one waits the group's work
+            RECORDER.wait_tensor(args[0])
         kwargs = kwargs or {}
         dtype = kwargs.get("dtype")
         if (func._overloadpacket is torch.ops.aten.arange and dtype not in _FLOATS) or (

@@ -6,8 +6,8 @@ returns such a group itself from `init_process_group`/`new_group`, so DeviceMesh
 FSDP1/2, ZeRO, DTensor's functional collectives and the pipeline schedules call its methods. Each
 method records an Issue, delegates to torch's own fake backend (`FakeProcessGroup`: nothing
 moves, outputs keep their shapes, the work is complete) and returns a `RecordingWork`, whose
-`wait` records a Wait. Functional collectives (DTensor, TP) are waited with
-`_c10d_functional.wait_tensor`; the counting mode below records those Waits.
+`wait` records a Wait, into the recorder (recorder.py). Functional collectives (DTensor, TP)
+call the same methods from torch's kernels (on fake tensors: counting.py).
 
 Why CPU or meta, not CUDA: NCCL wrappers hand their dependencies to CUDA streams (events,
 `wait_stream`) and never call `Work.wait`, so a recording would lose where a rank needs a
@@ -17,117 +17,22 @@ needed, which is what the simulator takes as the dependency.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by dist
 from torch.futures import Future
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
 
-from dtlab.predict.events import Compute, Event, Issue, Wait
+from dtlab.predict.recorder import RECORDER
 
 BACKEND = "dtlab_record"
 
 
 def nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-class Recorder:
-    """The events of one rank's step, and where the step is (phase, block, micro step), which
-    the tracer moves with hooks. A Compute closes at every change of place and every Issue or
-    Wait: its FLOPs and bytes from the counting mode, its seconds from the clock (`timed`)."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-        self.on = False  # recording (set-up and untraced steps are not)
-        self.timed = False  # seconds per Compute (a real device; `sync` first)
-        self.sync: Callable[[], None] = lambda: None
-        self.phase, self.block, self.micro = "other", None, 0
-        self.flops = self.bytes = 0.0
-        self.started = time.perf_counter()
-        self.next_id = 0
-        self.issued: set[int] = set()
-        self.waited: set[int] = set()
-        self.futures: set[int] = set()  # issues whose result was taken as a future (DDP)
-        self.alone = 0  # collectives in a group of one rank (not recorded)
-
-    def start(self, timed: bool, sync: Callable[[], None]) -> None:
-        self.events, self.next_id, self.alone = [], 0, 0
-        self.issued, self.waited, self.futures = set(), set(), set()
-        self.on, self.timed, self.sync = True, timed, sync
-        self.phase, self.block, self.micro = "other", None, 0
-        self._reset_stretch()
-
-    def stop(self) -> list[Event]:
-        self.close()
-        self.on = False
-        return self.events
-
-    def _reset_stretch(self) -> None:
-        self.flops = self.bytes = 0.0
-        if self.timed:
-            self.sync()
-        self.started = time.perf_counter()
-
-    def close(self) -> None:
-        """End the current Compute stretch (every one: the counted and the timed step must have
-        the same structure; `trace.py` drops the empty ones after merging them)."""
-        if not self.on:
-            return
-        seconds = None
-        if self.timed:
-            self.sync()
-            seconds = time.perf_counter() - self.started
-        self.events.append(Compute(self.phase, self.block, seconds, self.flops, self.bytes,
-                                   self.micro))
-        self._reset_stretch()
-
-    def at(self, phase: str, block: int | None = None, micro: int | None = None) -> None:
-        """The step moved to another place: the stretch so far belongs to the previous one."""
-        micro = self.micro if micro is None else micro
-        if (phase, block, micro) != (self.phase, self.block, self.micro):
-            self.close()
-            self.phase, self.block, self.micro = phase, block, micro
-
-    def issue(self, op: str, size: int, group: tuple[int, ...], dtype: str) -> int:
-        """A collective or send/recv; one in a group of one rank moves nothing and costs no
-        time: it is counted in `alone`, not recorded (HSDP's replica all-reduce at one replica)."""
-        self.next_id += 1
-        if self.on and len(group) == 1:
-            self.alone += 1
-        elif self.on:
-            self.close()
-            self.issued.add(self.next_id)
-            self.events.append(Issue(self.next_id, op, size, group, self.phase, self.block,
-                                     self.micro, dtype))
-        return self.next_id
-
-    def wait(self, issue_id: int) -> None:
-        """A wait on an Issue of this trace, the first time only (later ones cost nothing)."""
-        if self.on and issue_id in self.issued and issue_id not in self.waited:
-            self.close()
-            self.waited.add(issue_id)
-            self.events.append(Wait(issue_id))
-
-    def wait_futures(self) -> None:
-        """Results handed over as futures (DDP's buckets) are needed when the backward ends."""
-        for i in sorted(self.futures - self.waited):
-            self.wait(i)
-        self.futures.clear()
-
-    def wait_all(self) -> None:
-        """The step ends when its communication has: anything never waited is waited here."""
-        for i in sorted(self.issued - self.waited):
-            self.wait(i)
-
-
-RECORDER = Recorder()  # the recording groups of this process record here (one trace at a time)
 
 
 class RecordingWork(dist._Work):
@@ -217,17 +122,17 @@ class RecordingGroup(dist.ProcessGroup):
         return self._record("broadcast", nbytes(tensors), tensors, work, tensors)
 
     def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> RecordingWork:
-        work = self.inner.allgather(outputs, inputs, opts or dist.AllgatherOptions())
+        work = self.inner.allgather(outputs, inputs, opts or AllgatherOptions())
         flat = [t for out in outputs for t in out]
         return self._record("all_gather", nbytes(flat), inputs, work, flat)
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> RecordingWork:
-        work = self.inner.allgather_coalesced(outputs, inputs, opts or dist.AllgatherOptions())
+        work = self.inner.allgather_coalesced(outputs, inputs, opts or AllgatherOptions())
         flat = [t for out in outputs for t in out]
         return self._record("all_gather", nbytes(flat), inputs, work, flat)
 
     def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> RecordingWork:
-        work = self.inner._allgather_base(output, input, opts or dist.AllgatherOptions())
+        work = self.inner._allgather_base(output, input, opts or AllgatherOptions())
         return self._record("all_gather", nbytes([output]), [input], work, [output])
 
     _allgather_base = all_gather_single
@@ -235,7 +140,7 @@ class RecordingGroup(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any,
                                     opts: Any = None) -> RecordingWork:
         for out, inp in zip(outputs, inputs, strict=True):
-            self.inner._allgather_base(out, inp, opts or dist.AllgatherOptions())
+            self.inner._allgather_base(out, inp, opts or AllgatherOptions())
         return self._record("all_gather", nbytes(outputs), inputs, None, list(outputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -314,65 +219,6 @@ def _create(store: Any, rank: int, size: int, timeout: Any = None) -> RecordingG
 def register() -> None:
     if BACKEND not in dist.Backend.backend_list:
         dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda", "meta"])
-
-
-# --- FLOPs, bytes and the functional collectives' waits -------------------------------------
-_DEVICE = torch.ops.prim.device.default
-_SHAPE_ONLY = {_DEVICE, torch.ops.aten.detach.default}
-
-
-class CountingMode(TorchDispatchMode):
-    """Adds each op's FLOPs (torch's flop formulas, as FlopCounterMode counts them) and the bytes
-    of its tensor inputs and outputs (a rough roofline figure) to the recorder's stretch.
-    DTensors are let through to their own dispatch, whose local ops come back here (so the
-    counts are per rank); FakeTensors (DTensor's shape propagation) are not counted, unless the
-    step itself runs on them (`fake`: a model too big for this machine, trace.host_mode).
-    `_c10d_functional.wait_tensor` is a Wait of the collective that made its tensor."""
-
-    def __init__(self, fake: bool = False) -> None:
-        super().__init__()
-        from torch._subclasses.fake_tensor import FakeTensor
-        from torch.distributed.tensor import DTensor
-
-        self.dtensor, self.fake = DTensor, (() if fake else FakeTensor)
-        self.pending: dict[int, int] = {}  # id(output tensor) -> issue id of a functional op
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is _DEVICE:
-            return func(*args)
-        kwargs = kwargs or {}
-        if any(issubclass(t, self.dtensor) for t in types):
-            return NotImplemented
-        if not RECORDER.on or (self.fake and any(issubclass(t, self.fake) for t in types)):
-            return func(*args, **kwargs)
-        if func.namespace == "_c10d_functional":
-            return self._functional(func, args, kwargs)
-        packet = func._overloadpacket
-        if packet not in flop_registry and func not in _SHAPE_ONLY:
-            r = func.decompose(*args, **kwargs)
-            if r is not NotImplemented:
-                return r
-        out = func(*args, **kwargs)
-        if packet in flop_registry:
-            RECORDER.flops += flop_registry[packet](*args, **kwargs, out_val=out)
-        flat, _ = tree_flatten((args, kwargs, out))
-        RECORDER.bytes += sum(t.numel() * t.element_size() for t in flat
-                              if isinstance(t, torch.Tensor))
-        return out
-
-    def _functional(self, func: Any, args: Any, kwargs: Any) -> Any:
-        if func.__name__.startswith("wait_tensor"):
-            issue_id = self.pending.pop(id(args[0]), None)
-            if issue_id is not None:
-                RECORDER.wait(issue_id)
-            return func(*args, **kwargs)
-        before = RECORDER.next_id
-        out = func(*args, **kwargs)
-        if RECORDER.next_id > before:  # the group recorded it (its Work is not waited on)
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self.pending[id(t)] = RECORDER.next_id
-        return out
 
 
 @contextmanager

@@ -10,6 +10,8 @@ create their state), then one step with FLOPs counted, and one more, timed witho
 Computes. On the meta device (a model too big to run here; fake_host.py) only the counted step,
 after DDP's forwards and backwards and its bucket rebuild where the strategy has DDP: FLOPs, no
 seconds. Collectives over a group of one rank move nothing: left out (Trace.meta["alone"]).
+Trace.meta["state_bytes"]: the traced rank's parameter, gradient and optimizer bytes after the
+step, the strategy's own `state_bytes` (what `dtlab estimate` measures), on either device.
 
 Phases: `forward`/`backward` per block of `model.blocks()` (block None: embeddings, head, loss),
 `recompute` (a checkpointed block's forward run again in its backward), `optimizer` (the gradient
@@ -32,9 +34,11 @@ from dtlab.config import Config, check_world, model_parallel_size
 from dtlab.config.strategies import registry
 from dtlab.data import spec_for
 from dtlab.errors import ConfigError
+from dtlab.predict.counting import CountingMode
 from dtlab.predict.events import Compute, Event, Issue, Trace
 from dtlab.predict.fake_host import fake_reducers, host_mode, on_host
-from dtlab.predict.record import BACKEND, RECORDER, CountingMode, recording_group
+from dtlab.predict.record import BACKEND, recording_group
+from dtlab.predict.recorder import RECORDER
 
 
 def _in_backward() -> bool:
@@ -294,6 +298,7 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
             else:
                 events = merged
         events = _kept(events)
+        state = strategy.state_bytes(model, optimizer)  # after the steps: the optimizer's state
     s = registry.of(cfg)
     label = s.label_of(strategy.describe()) if s.label else s.name
     meta: dict[str, object] = {
@@ -301,7 +306,8 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
         "world": world, "ranks_per_node": ranks_per_node, "micro_batch": micro,
         "grad_accum": cfg.train.grad_accum_steps, "torch": torch.__version__,
         "model": cfg.model.name, "n_params": n_params,
-        "model_parallel": model_parallel_size(cfg, world), "alone": alone}
+        "model_parallel": model_parallel_size(cfg, world), "alone": alone,
+        "state_bytes": {k: int(v) for k, v in state.items()}}
     if notes:
         meta["notes"] = notes
     return Trace(rank, world, events, meta)

@@ -19,7 +19,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         s = _local(t).untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
+        # a storage without memory (meta, or fake tensors: dtlab predict) has no address
+        seen[s._cdata if s.device.type == "meta" else s.data_ptr()] = s.nbytes()
     return sum(seen.values())
 
 
