@@ -121,23 +121,20 @@ def cmd_predict(args: argparse.Namespace) -> int:
     print(table(rows))
     print(textwrap.fill(LEGEND, 100))
     print(verdict(best, rows))
+    print(sources(rows, cluster))
     for r in rows:
         for note in r["notes"]:
-            print(f"  ({r['strategy']}: {note})")
+            print(f"  ({note if note.startswith(r['strategy'] + ':') else r['strategy'] + ': ' + note})")
     return 0
 
 
 def predict_all(req: Any, tokens: list[str], save_profile: str | None) -> list[dict[str, Any]]:
-    from dtlab.predict.core import memory, predict
+    from dtlab.predict.core import predict
     from dtlab.predict.profile import Profile
 
     rows, record = [], Profile({}) if save_profile else None
     for token in tokens:
-        row = predict(req, token, record)
-        mem = memory(req, token)
-        row["memory"] = mem
-        row["fits"] = mem["device_bytes"] <= req.cluster.memory_bytes
-        rows.append(row)
+        rows.append(predict(req, token, record))
     if record is not None:
         if not record.table:
             raise DtlabError(f"--save-profile {save_profile}: nothing was measured (every model "
@@ -154,6 +151,7 @@ def ms(seconds: float | None) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     from dtlab.estimate.cli import table as text_table
+    from dtlab.predict.core import STATE_ONLY
 
     shown = []
     for r in rows:
@@ -168,7 +166,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             "recomp": ms(s.get("recompute")), "optim": ms(s.get("optimizer")),
             "comm exposed": ms(sum(r["exposed_comm"].values())), "bubble": ms(s.get("bubble")),
             "GB/rank": f"{r['memory']['device_bytes'] / GB:.2f}",
-            "fits": "yes" if r["fits"] else "no"})
+            "fits": ("yes" if r["fits"] else "no") + (" (state)" if r["memory"]["source"]
+                                                      == STATE_ONLY else "")})
     return text_table(shown, list(shown[0]))
 
 
@@ -176,6 +175,18 @@ LEGEND = ("step ms: predicted time of one optimizer step (the slowest rank); fwd
           "that rank's compute by phase, ms; comm exposed: communication the compute waited for "
           "(the rest overlapped); bubble: pipeline stages idle; MFU: model FLOPs per second per "
           "device over the cluster's peak; GB/rank: dtlab estimate's memory at the peak")
+
+
+def sources(rows: list[dict[str, Any]], cluster: Any) -> str:
+    """Where the numbers came from, once for the table."""
+    compute = sorted({s for r in rows for s in r["sources"]["compute"]})
+    tiers = sorted({t for r in rows for t in r["sources"]["comm"]})
+    links = {"intra": cluster.intra, "inter": cluster.inter}
+    lines = [f"compute: {'; '.join(compute) or '-'}"]
+    lines += [f"{t}-node links: {links[t].source.split(':')[0].strip()}" for t in tiers if t in links]
+    lines.append(f"peak: {rows[0]['peak_source']}; overlap slowdown "
+                 f"{cluster.overlap_slowdown:g} ({cluster.overlap_slowdown_source.split(':')[0].strip()})")
+    return "\n".join(textwrap.shorten(line, 200) for line in lines)
 
 
 def verdict(best: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:

@@ -24,6 +24,7 @@ from dtlab.errors import ConfigError
 from dtlab.predict.events import Compute, Issue, Trace
 from dtlab.predict.profile import Profile
 
+STATE_ONLY = "state only"  # a memory that leaves out activations: its fit is marked so
 MEASURE_MAX_PARAMS = 50_000_000  # what --measure runs on a CPU in seconds (estimate's limit)
 
 
@@ -181,6 +182,8 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
         "sources": {k: sorted(v) for k, v in sources.items()}, "notes": notes}
     if tokens := row["tokens_per_s"]:
         row["tokens_per_s_per_device"] = tokens / req.world
+    row["memory"] = memory(req, token, traces, notes)
+    row["fits"] = row["memory"]["device_bytes"] <= req.cluster.memory_bytes
     return row
 
 
@@ -200,9 +203,12 @@ def predict_step(path: str | None, overrides: list[str], token: str, world: int,
                            threads=threads), token)
 
 
-def memory(req: Request, token: str) -> dict[str, Any]:
-    """`dtlab estimate`'s row for `token` on this world: bytes per rank and their source."""
+def memory(req: Request, token: str, traces: dict[int, Trace], notes: list[str]) -> dict[str, Any]:
+    """`dtlab estimate`'s bytes per rank at the peak (state, temporaries, activations), or where
+    it cannot tell (tensor or pipeline parallelism of a model too large to measure there), the
+    state the trace's own wrappers held: parameters, gradients, optimizer state, no activations."""
     from dtlab.config.device import backend_type
+    from dtlab.errors import DtlabError
     from dtlab.estimate import core
     from dtlab.estimate.cli import config_batch, config_checkpointing
 
@@ -212,7 +218,22 @@ def memory(req: Request, token: str) -> dict[str, Any]:
     setup = core.Setup(model, req.world, req.ranks_per_node, core.precision_of(cfg),
                        core.optimizer_of(cfg), micro, config_checkpointing(model), None,
                        backend_type(cfg))
-    row = core.estimate(setup, token)
+    try:
+        row = core.estimate(setup, token)
+    except DtlabError as e:
+        held = [t.meta["state_bytes"] for t in traces.values() if "state_bytes" in t.meta]
+        if not held:
+            raise
+        state = max(sum(h.values()) for h in held)
+        notes.append(f"memory: the state the traced wrappers held ({state / 1e9:.2f} GB), "
+                     f"activations and temporaries not included (the estimate: {e})")
+        return {"device_bytes": state, "host_bytes": 0, "source": STATE_ONLY,
+                "exact": False}
+    if "activations" not in row:  # tp, pp, hf models: the estimate holds the state alone
+        notes.append("memory: the state alone; activations and temporaries not modelled here")
+        return {"device_bytes": row["device_total"], "host_bytes": row["host"],
+                "source": STATE_ONLY, "exact": row["exact"]}
+    notes.extend(n for n in row.get("notes", []) if n not in notes)
     return {"device_bytes": row["device_total"], "host_bytes": row["host"],
             "source": row["source"], "exact": row["exact"]}
 
