@@ -82,11 +82,15 @@ def trace_device(req: Request, cfg: Config) -> tuple[str, str | None]:
 
 
 def traces_of(req: Request, cfg: Config, device: str) -> dict[int, Trace]:
+    from dtlab.predict.streams import with_streams
     from dtlab.predict.trace import trace_step, traced_ranks
 
     threads = req.threads or 1
-    return {r: trace_step(cfg, req.world, r, req.ranks_per_node, device=device, threads=threads)
-            for r in traced_ranks(cfg, req.world, req.ranks_per_node)}
+    traces = {r: trace_step(cfg, req.world, r, req.ranks_per_node, device=device, threads=threads)
+              for r in traced_ranks(cfg, req.world, req.ranks_per_node)}
+    if req.cluster.cores is None:  # a device per rank, with streams: the GPU's order of events
+        traces = {r: with_streams(t) for r, t in traces.items()}
+    return traces
 
 
 def pricing(req: Request, cfg: Config, token: str) -> tuple[Any, Any, dict[str, set[str]]]:

@@ -100,13 +100,22 @@ class CountingMode(TorchDispatchMode):
         here (functional.py), and the output's wait is the fake mode's `wait_tensor` of a tensor
         on its storage (fake_host.HostFake)."""
         if not self.on_fake or func._overloadpacket.__name__ == "wait_tensor":
-            return func(*args, **kwargs)
+            RECORDER.functional = True
+            try:
+                return func(*args, **kwargs)
+            finally:
+                RECORDER.functional = False
         if func._overloadpacket.__name__ == _WRAP:  # its fake kernel: a plain tensor, never waited
             from torch.distributed._functional_collectives import AsyncCollectiveTensor
             return AsyncCollectiveTensor(args[0])  # what its real kernel returns
         out = func(*args, **kwargs)
         before = RECORDER.next_id
-        if tell_group(func, args, kwargs, out) and RECORDER.next_id > before:
+        RECORDER.functional = True
+        try:
+            told = tell_group(func, args, kwargs, out)
+        finally:
+            RECORDER.functional = False
+        if told and RECORDER.next_id > before:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     RECORDER.awaits(t, RECORDER.next_id)

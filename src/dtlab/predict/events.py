@@ -44,6 +44,10 @@ class Issue:
     block: int | None = None
     micro: int = 0
     dtype: str = ""  # element type, e.g. "float32"
+    # A functional collective (DTensor: tensor parallelism) works on this step's activations and
+    # sits on the compute's critical path; the others (DDP, FSDP, ZeRO) on the wrappers' own
+    # buffers, which a GPU's side streams run ahead or behind the compute (streams.py)
+    functional: bool = False
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ class Recorder:
         self.futures: set[int] = set()  # issues whose result was taken as a future (DDP)
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # see `awaits`
         self.alone = 0  # collectives in a group of one rank (not recorded)
+        self.functional = False  # inside a functional collective's kernel (counting.py)
 
     def start(self, timed: bool, sync: Callable[[], None]) -> None:
         self.events, self.next_id, self.alone = [], 0, 0
@@ -79,7 +80,7 @@ class Recorder:
             self.close()
             self.issued.add(self.next_id)
             self.events.append(Issue(self.next_id, op, size, group, self.phase, self.block,
-                                     self.micro, dtype))
+                                     self.micro, dtype, self.functional))
         return self.next_id
 
     def wait(self, issue_id: int) -> None:
