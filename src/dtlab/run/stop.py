@@ -7,6 +7,9 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from dtlab.config import Config
 from dtlab.distributed import DistContext
 from dtlab.process import interrupt
@@ -26,13 +29,48 @@ def checkpoint_signals(cfg: Config) -> set[int]:
     return {signal.SIGTERM, *([signal.Signals[f"SIG{named}"]] if named else [])}
 
 
+class StopVote:
+    """The ranks' agreement to stop: the largest stop code any rank holds, one all-reduce (MAX of
+    one int) per step boundary, overlapped with the next step. The vote posted after step N is
+    read after step N+1, where every rank sees the same result and so stops after the same step:
+    one step later than a blocking vote, without the wait at every boundary (a blocking vote
+    made each rank wait there for the slowest one, a second barrier per step beside the
+    gradients' all-reduce: measured in docs/benchmarks.md's overhead section). The last step's
+    vote is waited for at once, so a stop during the last step is still taken."""
+
+    def __init__(self, ctx: DistContext) -> None:
+        self.ctx = ctx
+        self.pending: tuple[dist.Work, torch.Tensor] | None = None
+
+    def __call__(self, code: int, last: bool) -> int:
+        """This rank's stop code (0: none) -> the code all ranks stop with here (0: go on)."""
+        if self.ctx.backend is None or self.ctx.world_size == 1:
+            return code
+        agreed = self.result()
+        if agreed:  # every rank read the same vote: all stop here and post no other
+            return agreed
+        flag = torch.tensor([code], dtype=torch.int32, device=self.ctx.device)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        assert work is not None
+        self.pending = (work, flag)
+        return self.result() if last else 0
+
+    def result(self) -> int:
+        """The previous vote's result (0 when none is pending)."""
+        if self.pending is None:
+            return 0
+        (work, flag), self.pending = self.pending, None
+        work.wait()
+        return int(flag.item())
+
+
 def stop_at_boundary(cfg: Config, ctx: DistContext, tr: Training, run: RunState, run_dir: Path,
-                     saved: bool) -> None:
-    """At a step boundary: when any rank was asked to stop, all stop here, after a checkpoint
-    when the signal asks for one and checkpoints are on; when the run directory is gone, all
-    stop with an error (the same agreement: one all-reduce)."""
+                     saved: bool, vote: StopVote) -> None:
+    """At a step boundary: when any rank was asked to stop, all stop at the same boundary (this
+    one or the next: StopVote), after a checkpoint when the signal asks for one and
+    checkpoints are on; when the run directory is gone, all stop with an error (the same vote)."""
     gone = run.watch.problem() if run.watch is not None else None
-    signum = ctx.agree_stop(max(interrupt.requested() or 0, GONE if gone else 0))
+    signum = vote(max(interrupt.requested() or 0, GONE if gone else 0), run.done)
     if signum >= GONE and run.watch is not None:
         run.watch.stop(ctx, run.step, gone)
     if not signum:
