@@ -229,7 +229,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
                     if saved:
                         state.save(cfg, ctx, tr, run)
                 busy = time.perf_counter() - busy_from
-                stop_at_boundary(cfg, ctx, tr, run, run_dir, bool(saved), vote)
+                stop_at_boundary(cfg, ctx, tr, run, run_dir, bool(saved), vote, run.step_times[-1])
                 # A step that takes over 3 x the longest interval between two boundaries so far
                 # is a hang: a stop does not wait for it (evaluations and saves are waited for).
                 reached = time.perf_counter()
