@@ -29,7 +29,7 @@ def checkpoint_signals(cfg: Config) -> set[int]:
     return {signal.SIGTERM, *([signal.Signals[f"SIG{named}"]] if named else [])}
 
 
-VOTE_EVERY_S = 0.02  # how often the ranks vote, in step time (at least once a step)
+VOTE_EVERY_S = 0.05  # how often the ranks vote, in step time (at least once a step)
 MAX_VOTE_PERIOD = 16  # and at least every this many steps
 
 
@@ -38,7 +38,7 @@ class StopVote:
     by an all-reduce (MAX) of two ints overlapped with the steps that follow it. A vote is read
     where the next one is posted, so every rank sees the same result at the same boundary and
     stops after the same step. Votes are VOTE_EVERY_S of step time apart (every step for steps
-    of 20 ms or more, at most MAX_VOTE_PERIOD steps apart); each carries its rank's proposal
+    of 50 ms or more, at most MAX_VOTE_PERIOD steps apart); each carries its rank's proposal
     for the next period, and the largest is taken, so the ranks keep the same schedule. A stop
     is taken within two periods of the signal. The last step's vote is waited for at once.
 
