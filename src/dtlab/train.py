@@ -62,6 +62,7 @@ from dtlab.run.run_state import RunState, Training
 from dtlab.run.step import Stepper
 from dtlab.run.stop import (
     STOP_DEADLINE_S,
+    StopVote,
     last_checkpoint,
     record_stop,
     resume_hint,
@@ -199,7 +200,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
     try:
         # A signal in the loop stops all ranks after the same step (dtlab/process/interrupt.py).
         with interrupt.deferred(STOP_DEADLINE_S):
-            boundary, longest = time.perf_counter(), 0.0
+            boundary, longest, vote = time.perf_counter(), 0.0, StopVote(ctx)
             for epoch, step_idx in islice(loader.steps(run.start),
                                           max(0, run.total_steps - run.start)):
                 step = run.begin_step(epoch)
@@ -221,17 +222,20 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
                     run.peaks.update(restart_peak(ctx.device, "warmup"))
                 log_step(cfg, tr, run, step_loss, lr, log)
                 saved = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
+                busy_from = time.perf_counter()
                 with interrupt.busy():
                     if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or \
                             (not cfg.train.eval_every and run.end_of_epoch) or run.done:
                         evaluate()
                     if saved:
                         state.save(cfg, ctx, tr, run)
-                stop_at_boundary(cfg, ctx, tr, run, run_dir, bool(saved))
+                busy = time.perf_counter() - busy_from
+                stop_at_boundary(cfg, ctx, tr, run, run_dir, bool(saved), vote, run.step_times[-1])
                 # A step that takes over 3 x the longest interval between two boundaries so far
                 # is a hang: a stop does not wait for it (evaluations and saves are waited for).
                 reached = time.perf_counter()
                 longest = max(longest, reached - boundary)
+                run.record_loop(reached - boundary - busy, tr.stepper.engine_s)
                 interrupt.set_deadline(max(STOP_DEADLINE_S, 3 * longest))
                 boundary = reached
         if not run.evals:  # resumed a finished run: evaluate what it left

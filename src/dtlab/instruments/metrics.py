@@ -183,9 +183,8 @@ class MetricsLog:
         metrics.jsonl), none before the first."""
         if self.progress is not None:
             try:
-                self.progress.seek(0)
-                self.progress.write(f"{step:>12d}\n")
-                self.progress.flush()
+                # one system call, in place (the width is fixed): no Python buffering to flush
+                os.pwrite(self.progress.fileno(), f"{step:>12d}\n".encode(), 0)
             except OSError as e:
                 self._failed(e, self.run_dir / "progress", step)
         if self.bar is not None:

@@ -49,6 +49,10 @@ class RunState:
     last_loss: float = math.nan  # the loss at the last logged step
     step_times: list[float] = field(default_factory=list)
     data_times: list[float] = field(default_factory=list)
+    # Per step: boundary to boundary without evaluations and saves, and the part of it spent in
+    # the engine's micro steps and optimizer step (the rest is the loop's own cost)
+    loop_times: list[float] = field(default_factory=list)
+    engine_times: list[float] = field(default_factory=list)
     epoch_times: list[float] = field(default_factory=list)  # training time of each full epoch
     evals: dict[str, Any] = field(default_factory=dict)  # the latest evaluation
     usage: SampleUsage | None = None
@@ -67,6 +71,10 @@ class RunState:
         self.data_times.append(data_time)
         if self.end_of_epoch and len(self.step_times) >= self.steps_per_epoch:
             self.epoch_times.append(sum(self.step_times[-self.steps_per_epoch:]))
+
+    def record_loop(self, loop_time: float, engine_time: float) -> None:
+        self.loop_times.append(loop_time)
+        self.engine_times.append(engine_time)
 
     @property
     def end_of_epoch(self) -> bool:

@@ -11,6 +11,7 @@ DeepSpeed bring their own.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -24,17 +25,22 @@ class Stepper:
     def __init__(self, cfg: Config, engine: StepEngine, scheduler: Any, fault: Any = None) -> None:
         self.t, self.lab, self.engine, self.scheduler = cfg.train, cfg.lab, engine, scheduler
         self.fault, self.step_number, self.skipped = fault, 0, 0
+        # Time in engine.micro_step and engine.step in the last step (the model's compute and
+        # its collectives): the rest of a step is the loop's own cost (RunState.record_loop)
+        self.engine_s = 0.0
 
     def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         engine, step = self.engine, self.step_number + 1
         self.step_number = step
         if not self.lab.no_zero_grad:
             engine.zero_grad()
-        step_loss = None
+        step_loss, engine_s = None, 0.0
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
+            t0 = time.perf_counter()
             loss = engine.micro_step(x, y, self.loss_hook,
                                      sync=last or self.lab.sync_every_micro_step)
+            engine_s += time.perf_counter() - t0
             step_loss = loss if step_loss is None else step_loss + loss
             if not last:
                 self.observe("micro", step)
@@ -44,7 +50,10 @@ class Stepper:
         if norm is not None and not self.finite(norm, step_loss):
             engine.skip()  # nan_policy=skip
         else:
+            t0 = time.perf_counter()
             engine.step()
+            engine_s += time.perf_counter() - t0
+        self.engine_s = engine_s
         self.observe("after_step", step)
         self.scheduler.step()
         return step_loss

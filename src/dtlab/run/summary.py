@@ -24,6 +24,7 @@ from dtlab.instruments.metrics import peak_memory, time_stats
 from dtlab.levers import numerics
 from dtlab.levers.optim import build_optimizer, impl_of
 from dtlab.models import build_model, loss_fn, memory_format
+from dtlab.run.loop_overhead import loop_record
 from dtlab.run.run_state import RunState, Training
 from dtlab.strategies.base import Strategy, autocast
 
@@ -71,6 +72,7 @@ def summarize(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> dic
         "median_step_time_s": stats.get("median"),
         "step_time_s": stats,
         "median_data_time_s": time_stats(run.data_times[warm:] or run.data_times).get("median"),
+        **loop_record(run.loop_times, run.engine_times, warm, ctx.device),
         # the median step, as the step time, TFLOP/s and MFU: one statistic for every speed
         "samples_per_s": gb / stats["median"] if stats.get("median", 0) > 0 else None,
         "final_train_loss": run.last_loss,

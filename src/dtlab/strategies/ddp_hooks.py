@@ -74,6 +74,49 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     return torch.futures.collect_all(futures).then(scatter)
 
 
+class BucketNorms:
+    """DDP's plain all-reduce with each averaged bucket's squared norm taken as it completes.
+
+    The arithmetic is DDP's built-in one (each bucket divided by the world size, then summed:
+    PyTorch's `allreduce_hook`); the squared norm is computed in the all-reduce's completion
+    callback, on the thread that completed it while the backward waits for it, on data that
+    thread has just written. The loop's non-finite check (nan_policy) then reads one number per
+    bucket instead of making a pass of its own over every gradient after the backward: on this
+    2-core machine that pass cost ~0.2 ms per step of the quick config's 2-rank DDP step (about
+    2%), because it was the first thing to run after the rank woke from the collective.
+    """
+
+    def __init__(self) -> None:
+        self.squares: dict[int, torch.Tensor] = {}
+        self.buckets: int | None = None
+
+    def hook(self, group: dist.ProcessGroup | None,
+             bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        group = group or dist.group.WORLD
+        index, buffer = bucket.index(), bucket.buffer()
+        if index == 0:  # buckets are launched in order: a new backward's all-reduces begin
+            self.squares, self.buckets = {}, None
+        if bucket.is_last():
+            self.buckets = index + 1
+        buffer.div_(dist.get_world_size(group))
+
+        def square(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            reduced = fut.value()[0]
+            self.squares[index] = torch.linalg.vector_norm(reduced, dtype=torch.float32).square()
+            return reduced
+
+        return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(square)
+
+    def take(self) -> torch.Tensor | None:
+        """The global gradient norm of the last synchronised backward (None when not every
+        bucket reported); each backward's norm is taken once."""
+        if self.buckets is None or len(self.squares) != self.buckets:
+            return None
+        norm = torch.stack(list(self.squares.values())).sum().sqrt()
+        self.squares, self.buckets = {}, None
+        return norm
+
+
 def register(model: DistributedDataParallel, opts: Any) -> None:
     """Install the configured hook (DDP keeps the hook's state alive)."""
     name = opts.comm_hook
