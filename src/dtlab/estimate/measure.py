@@ -86,7 +86,7 @@ def measure_rank(cfg: Config, rank: int, world: int, ranks_per_node: int,
         model, optimizer = strategy.setup(meta_model(cfg).to_empty(device=device))
         # DDP's reducer wants its all-reduce's future to hold the bucket; a fake one holds nothing
         for m in (model, *getattr(strategy, "parts", ())):  # (pp's replicas: `parts`)
-            if isinstance(m, DistributedDataParallel):
+            if isinstance(m, DistributedDataParallel) and not m._comm_hooks:  # (or ddp's own)
                 m.register_comm_hook(None, noop_hook)
         engine = strategy.step_engine(model, model, optimizer)
         if hasattr(strategy, "stage_ids"):

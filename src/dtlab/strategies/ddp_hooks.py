@@ -101,9 +101,9 @@ class BucketNorms:
         buffer.div_(dist.get_world_size(group))
 
         def square(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-            reduced = fut.value()[0]
-            self.squares[index] = torch.linalg.vector_norm(reduced, dtype=torch.float32).square()
-            return reduced
+            fut.wait()  # the all-reduce is in place: `buffer` holds the sum (a fake backend's
+            self.squares[index] = torch.linalg.vector_norm(buffer, dtype=torch.float32).square()
+            return buffer  # future carries no tensors, so its value is not read)
 
         return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(square)
 
