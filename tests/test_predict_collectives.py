@@ -138,15 +138,7 @@ def test_pipeline_sends_meet_their_receives(recorded: dict[str, dict[int, list]]
         assert sent and sent == Counter(n for op, n, _ in pp[b] if op == "recv")
 
 
-# trace_step of ZeRO-3's rank 1 stops in DeepSpeed's check that every rank partitioned alike
-# (assert_ints_same_as_other_ranks reads a broadcast the fake group leaves unchanged); rank 0's
-# prediction equals its recorded step. Strict: this fails once the trace gets it right.
-TRACE_GAPS = {"deepspeed:3": "trace_step(rank=1) of ZeRO-3 fails its rank-agreement check"}
-
-
-@pytest.mark.parametrize("spec", [pytest.param(s, marks=pytest.mark.xfail(
-    strict=True, raises=RuntimeError, reason=TRACE_GAPS[s])) if s in TRACE_GAPS else s
-    for s in SPECS])
+@pytest.mark.parametrize("spec", SPECS)
 def test_predicted_collectives_equal_a_real_step(recorded: dict[str, dict[int, list]],
                                                  spec: str) -> None:
     """The collectives traced under the fake process group at 2 ranks equal those a real 2-rank

@@ -22,6 +22,7 @@ every op's tensor inputs and outputs, an upper bound of what a roofline needs (n
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from contextlib import contextmanager
 from functools import partial
@@ -252,10 +253,12 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
         raise ConfigError(f"rank {rank} is not one of the {world} ranks; fix: 0..{world - 1}")
     spec = spec_for(cfg)
     places = Places()
-    with _threads(threads), recording_group(rank, world), host_mode(device) as dev:
+    with _threads(threads), recording_group(rank, world), host_mode(device) as dev, \
+            contextlib.ExitStack() as stack:
         env = DistEnv(rank, rank % ranks_per_node, world, ranks_per_node, launcher="env")
         ctx = DistContext(env, dev, BACKEND, threads)
         strategy = build(cfg, ctx)
+        stack.enter_context(strategy.in_one_process())
         model = _build(cfg, torch.device(device))
         n_params = count_params(model)
         memory_format.apply(model, cfg.model, dev, weights=not strategy.contiguous_params)

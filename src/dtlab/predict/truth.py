@@ -114,19 +114,11 @@ def recorded_collectives(run_dir: Path, step: int, nproc: int) -> dict[int, list
 
 
 def forget_deepspeed_groups() -> None:
-    """DeepSpeed keeps the process groups it made in module globals (deepspeed.utils.groups): a
-    second engine in one process, a trace after a trace or a run after a run, would use the
-    first one's groups, destroyed since. Forget them before each."""
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is None:
-        return
-    for name, value in vars(groups).items():
-        if name.startswith("_") and name.isupper() and name.endswith("GROUP") and \
-                not isinstance(value, dict):
-            setattr(groups, name, None)
-        elif name.startswith("_") and name.endswith(("GROUP", "GROUP_RANKS")) and \
-                isinstance(value, dict):
-            value.clear()
+    """DeepSpeed keeps the process groups it made in module globals: forget them before a run
+    or a trace in this process (strategies/deepspeed.py)."""
+    from dtlab.strategies.deepspeed import forget_groups
+
+    forget_groups()
 
 
 def run_args(cfg_path: str | None, overrides: list[str], steps: int, run_dir: Path,

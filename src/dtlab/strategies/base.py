@@ -14,6 +14,7 @@ DeepSpeed's engine) return their own engine from `step_engine`, the one branch i
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -187,6 +188,11 @@ class Strategy:
     def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Exact bytes of the parameters, gradients and optimizer state this rank holds."""
         return state_bytes(model, optimizer)
+
+    def in_one_process(self) -> AbstractContextManager[Any]:
+        """What this strategy's library needs to run as one rank of a world that exists only in
+        this process, under a fake process group (dtlab predict's trace): nothing by default."""
+        return contextlib.nullcontext()
 
     def describe(self) -> dict[str, Any]:
         """The options that define this strategy's behaviour, for summary.json."""

@@ -18,9 +18,12 @@ dtlab works without the extra.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -110,6 +113,9 @@ class DeepSpeed(Strategy):
         after an evaluation ZeRO 3 leaves the parameters gathered)."""
         return self.held.peak()
 
+    def in_one_process(self) -> contextlib.AbstractContextManager[Any]:
+        return deepspeed_in_one_process()
+
     def describe(self) -> dict[str, Any]:
         return {**self.cfg.strategy.deepspeed.model_dump(), "zero_stage": self.stage,
                 "deepspeed_config": self.ds_config}
@@ -196,3 +202,48 @@ class HeldBytes:
         if not self._peak:
             self.record("end", 0)
         return dict(self._peak)
+
+
+@contextlib.contextmanager
+def deepspeed_in_one_process() -> Iterator[None]:
+    """DeepSpeed under a fake process group, one engine after another in one process: its groups
+    are module globals (deepspeed.utils.groups), forgotten before and after so that an engine
+    never finds a destroyed group; and ZeRO-3's checks that every rank holds the same ids
+    (a broadcast from rank 0, compared) are made, so their collectives are issued, but a
+    disagreement is ignored: no value crosses a fake group."""
+    import deepspeed.runtime.zero.partition_parameters as partition
+    import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
+    import deepspeed.runtime.zero.stage3 as stage3
+    from deepspeed.runtime.zero import utils
+
+    check = utils.assert_ints_same_as_other_ranks
+
+    def issued_not_compared(ints: list[int]) -> None:
+        with contextlib.suppress(RuntimeError):
+            check(ints)
+
+    modules = [m for m in (utils, partition, coordinator, stage3)
+               if getattr(m, "assert_ints_same_as_other_ranks", None) is check]
+    forget_groups()
+    for m in modules:
+        m.assert_ints_same_as_other_ranks = issued_not_compared
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.assert_ints_same_as_other_ranks = check
+        forget_groups()
+
+
+def forget_groups() -> None:
+    """Clear the process groups DeepSpeed keeps in deepspeed.utils.groups' globals."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    for name, value in vars(groups).items():
+        if name.startswith("_") and name.endswith(("GROUP", "GROUP_RANKS")):
+            if isinstance(value, dict):
+                value.clear()
+            elif name.isupper():
+                setattr(groups, name, None)
+
