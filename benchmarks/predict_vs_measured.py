@@ -44,7 +44,13 @@ CONFIGS = {  # label -> (config file, overrides): small enough that a run takes 
     "cnn": (str(ROOT / "configs/quick.yaml"), ["data.synthetic.train_samples=1024",
                                    "data.synthetic.val_samples=64"]),
 }
-MODEL_PARALLEL = {"tp", "fsdp_tp", "pp"}  # split a GPT's layers: GPT only
+
+def model_parallel(strategy: str) -> bool:
+    """Splits a model's layers (tp, fsdp_tp, pp: the registry says which): GPT only here."""
+    from dtlab.config.strategies import registry
+
+    return registry.get(strategy.partition(":")[0].partition("@")[0]).model_parallel is not None
+
 STRATEGIES = ["ddp", "fsdp", "fsdp1", "zero1", "hsdp", "tp", "fsdp_tp", "pp"]
 if importlib.util.find_spec("deepspeed") is not None:
     STRATEGIES += ["deepspeed:1", "deepspeed:2", "deepspeed:3"]
@@ -104,7 +110,7 @@ def matrix(args: argparse.Namespace) -> list[tuple[str, str, str, int]]:
     for config in args.configs:
         for variant in args.variants:
             for strategy in args.strategies:
-                if strategy in MODEL_PARALLEL and config != "gpt":
+                if model_parallel(strategy) and config != "gpt":
                     continue
                 for ranks in args.ranks:
                     if ranks == 1 and strategy not in ONE_RANK and not args.full:

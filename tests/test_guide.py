@@ -309,6 +309,22 @@ def check_own_model(w: Path, out: dict[str, str]) -> None:
         out, "dtlab advise")
 
 
+def check_predict(w: Path, out: dict[str, str]) -> None:
+    profile = json.loads((w / "runs/guide/gpt_profile.json").read_text())
+    assert profile["device"] == "cpu" and set(profile["table"]) == {"ddp", "fsdp"}
+    assert "compute: measured" in output_of(out, "dtlab predict --config configs/fsdp_gpt.yaml "
+                                                 "--world-size 2")
+    big = json.loads((w / "runs/guide/predict64.json").read_text())
+    rows = {r["strategy"]: r for r in big["rows"]}
+    assert big["fastest"]["strategy"] == "ddp" and big["world_size"] == 64
+    assert all(s.startswith("roofline at 50% of ") for r in rows.values()
+               for s in r["sources"]["compute"])
+    assert any(k.startswith("all_gather@inter") for k in rows["fsdp"]["comm_busy"])
+    assert set(rows["fsdp_tp@8x8"]["sources"]["comm"]) >= {"intra", "inter"}
+    assert "compute: profile, scaled by FLOPs" in output_of(out, "--profile")
+    assert "mean |error|" in output_of(out, "--validate")
+
+
 CHECKS: dict[str, Callable[[Path, dict[str, str]], None]] = {
     "02-ddp.md": check_ddp,
     "03-fsdp.md": check_fsdp,
@@ -319,6 +335,7 @@ CHECKS: dict[str, Callable[[Path, dict[str, str]], None]] = {
     "08-failure-modes.md": check_failure_modes,
     "09-levers.md": check_levers,
     "10-your-own-model.md": check_own_model,
+    "11-predict.md": check_predict,
 }
 
 

@@ -157,7 +157,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         s = r["split"]
         shown.append({
-            "strategy": r["strategy"], "step ms": ms(r["step_s"]),
+            "strategy": r["strategy"], "step ms": ms(r["step_s"]) + (" !" if r["unreliable"] else ""),
             "samples/s": f"{r['samples_per_s']:.4g}",
             "tokens/s/dev": "-" if r["tokens_per_s"] is None
             else f"{r['tokens_per_s_per_device']:.4g}",
@@ -171,7 +171,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     return text_table(shown, list(shown[0]))
 
 
-LEGEND = ("step ms: predicted time of one optimizer step (the slowest rank); fwd/bwd/recomp/optim: "
+LEGEND = ("step ms: predicted time of one optimizer step (the slowest rank; '!': measured on a "
+          "loaded machine, see its note); fwd/bwd/recomp/optim: "
           "that rank's compute by phase, ms; comm exposed: communication the compute waited for "
           "(the rest overlapped); bubble: pipeline stages idle; MFU: model FLOPs per second per "
           "device over the cluster's peak; GB/rank: dtlab estimate's memory at the peak")

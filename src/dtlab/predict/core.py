@@ -163,7 +163,11 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
     if req.profile is not None:
         req.profile.check({"model_digest": model_digest(cfg), "dtype": cfg.train.precision,
                            "model": cfg.model.name, "n_params": model_params(cfg)})
+    probe = load_probe(device)
     traces = traces_of(req, cfg, device)
+    if probe is not None and (loaded := machine_loaded(probe)):
+        notes.append(f"compute measured while {loaded}: slower than this machine's; fix: "
+                     "measure on an idle machine")
     if record is not None and device != "meta":
         record.meta.update(profile_meta(cfg, traces[min(traces)]))
         record.add(token, traces[min(traces)])
@@ -183,12 +187,33 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
         "model_flops_per_step": flops,
         "split": dict(timeline.split), "exposed_comm": dict(timeline.exposed),
         "comm_busy": dict(timeline.busy), "loop_s": req.loop_s, "traced_on": device,
-        "sources": {k: sorted(v) for k, v in sources.items()}, "notes": notes}
+        "sources": {k: sorted(v) for k, v in sources.items()}, "notes": notes,
+        "unreliable": bool(probe is not None and loaded)}
     if tokens := row["tokens_per_s"]:
         row["tokens_per_s_per_device"] = tokens / req.world
     row["memory"] = memory(req, token, traces, notes)
     row["fits"] = row["memory"]["device_bytes"] <= req.cluster.memory_bytes
     return row
+
+
+def load_probe(device: str) -> Any:
+    """A CPU measurement watches the machine (instruments/machine_load.py): None elsewhere."""
+    from dtlab.instruments.machine_load import LoadProbe
+
+    return LoadProbe() if device == "cpu" else None
+
+
+def machine_loaded(probe: Any) -> str | None:
+    """Why the compute just measured is not this machine's (other processes busy), or None."""
+    from dtlab.instruments.machine_load import OTHERS_MARGIN_CORES, cpu_set
+
+    seen = probe.finish()
+    cores = cpu_set()
+    busy = sum(v for c, v in seen["busy_s"].items() if c in cores) / seen["wall_s"]
+    others = busy - seen["own_cpu_s"] / seen["wall_s"]
+    if others > OTHERS_MARGIN_CORES:
+        return f"other processes kept {others:.1f} of {len(cores)} core(s) busy"
+    return None
 
 
 def profile_meta(cfg: Config, trace: Trace) -> dict[str, Any]:

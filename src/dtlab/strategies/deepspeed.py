@@ -114,7 +114,7 @@ class DeepSpeed(Strategy):
         return self.held.peak()
 
     def in_one_process(self) -> contextlib.AbstractContextManager[Any]:
-        return deepspeed_in_one_process()
+        return deepspeed_in_one_process(self.ctx.env)
 
     def describe(self) -> dict[str, Any]:
         return {**self.cfg.strategy.deepspeed.model_dump(), "zero_stage": self.stage,
@@ -205,8 +205,9 @@ class HeldBytes:
 
 
 @contextlib.contextmanager
-def deepspeed_in_one_process() -> Iterator[None]:
-    """DeepSpeed under a fake process group, one engine after another in one process: its groups
+def deepspeed_in_one_process(env: Any) -> Iterator[None]:
+    """DeepSpeed under a fake process group, one engine after another in one process: the rank
+    variables it reads are this rank's, and the process's own again afterwards; its groups
     are module globals (deepspeed.utils.groups), forgotten before and after so that an engine
     never finds a destroyed group; and ZeRO-3's checks that every rank holds the same ids
     (a broadcast from rank 0, compared) are made, so their collectives are issued, but a
@@ -224,6 +225,9 @@ def deepspeed_in_one_process() -> Iterator[None]:
 
     modules = [m for m in (utils, partition, coordinator, stage3)
                if getattr(m, "assert_ints_same_as_other_ranks", None) is check]
+    ranks = {"LOCAL_RANK": env.local_rank, "RANK": env.rank, "WORLD_SIZE": env.world_size}
+    before = {key: os.environ.get(key) for key in ranks}
+    os.environ.update({key: str(value) for key, value in ranks.items()})
     forget_groups()
     for m in modules:
         m.assert_ints_same_as_other_ranks = issued_not_compared
@@ -233,6 +237,11 @@ def deepspeed_in_one_process() -> Iterator[None]:
         for m in modules:
             m.assert_ints_same_as_other_ranks = check
         forget_groups()
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def forget_groups() -> None:
