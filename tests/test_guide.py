@@ -125,7 +125,8 @@ def output_of(out: dict[str, str], *parts: str) -> str:
 
 def check_failure_modes(w: Path, out: dict[str, str]) -> None:
     hang = output_of(out, "run.fault.kind=hang")
-    assert "a collective failed at step 5 on rank 0" in hang and "rank(s) [1] stopped" in hang
+    assert "a collective failed at step 5 on rank 0 (Timed out waiting" in hang
+    assert "rank(s) [1] stopped" in hang
     oom = output_of(out, "run.fault.kind=oom")
     assert ("out of memory at step 3 on rank 0 (CUDA out of memory. Tried to allocate 2.00 GiB "
             "(injected by run.fault.kind=oom at step 3)); this rank held parameters 0.5 MiB, "
@@ -137,7 +138,10 @@ def check_failure_modes(w: Path, out: dict[str, str]) -> None:
     assert "report: runs/guide/memory/report.html" in output_of(out, "report runs/guide/memory")
     verdict = output_of(out, "doctor hang runs/guide/hang")
     assert "flight recorder of runs/guide/hang: 2 of 2 rank(s) dumped" in verdict
-    assert re.search(r"rank 1: #(\d+) gloo:all_reduce, input \[\[1\]\] Int \(4 bytes\)", verdict)
+    # rank 1's last: step 4's gradients, or the stop vote when one fell between (its period is
+    # ~50 ms of steps, so where depends on the machine's speed)
+    assert re.search(r"rank 1: #(\d+) gloo:all_reduce, input \[\[(136874\]\] Float \(547,496|2\]\] "
+                     r"Int \(8) bytes\)", verdict), verdict
     last = int(re.search(r"rank 1: #(\d+)", verdict).group(1))
     assert (f"verdict: rank(s) [1] never entered collective #{last + 1} (gloo:all_reduce, input "
             "[[136874]] Float (547,496 bytes)); rank(s) [0] entered it") in verdict

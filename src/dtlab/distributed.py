@@ -210,7 +210,9 @@ def who_stopped(ctx: DistContext, step: int, error: BaseException, grace_s: floa
 
     Every rank whose collective failed leaves a mark in the rendezvous store; after a grace period
     the ranks without a mark are the ones that stopped taking part (hung, crashed or killed)."""
-    first = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0])[:200]  # no source path
+    first = str(error).strip().splitlines()[0]  # as a comm hook's callback wraps it: the cause
+    first = re.sub(r"^Got the following error when running the callback: \w+: ", "", first)
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:200]  # no source path
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set(f"dtlab/failed/{ctx.rank}", str(step))
