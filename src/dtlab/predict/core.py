@@ -229,7 +229,22 @@ def predict_step(path: str | None, overrides: list[str], token: str, world: int,
     if threads is None and cluster.cores:  # what dtlab train gives each rank (distributed.py)
         threads = max(1, cluster.cores // world)
     return predict(Request(path, list(overrides), world, world, cluster, measure=True,
-                           threads=threads), token)
+                           threads=threads, loop_s=loop_seconds(path, overrides)), token)
+
+
+def loop_seconds(path: str | None, overrides: list[str]) -> float:
+    """dtlab's own loop per step on this CPU for this config (run/loop_overhead.py: a short
+    1-rank run, once per config and process): what a step costs beyond compute and collectives."""
+    from dtlab.run.loop_overhead import measure_loop_overhead
+
+    key = json.dumps([path, sorted(overrides)])
+    if key not in _LOOP:
+        plain = [o for o in overrides if not o.startswith("strategy.")]
+        _LOOP[key] = measure_loop_overhead(1, (*plain, "strategy.name=single"), path, 30) or 0.0
+    return _LOOP[key]
+
+
+_LOOP: dict[str, float] = {}
 
 
 def memory(req: Request, token: str, traces: dict[int, Trace], notes: list[str]) -> dict[str, Any]:
