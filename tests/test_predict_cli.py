@@ -55,7 +55,21 @@ def test_profile_file_records_what_was_measured(workspace: Path) -> None:
     assert data["steps"]["ddp"] == pytest.approx(sum(r["seconds"] for r in data["table"]["ddp"]))
 
 
+def test_advise_ranks_the_strategies_that_fit_by_predicted_step_time() -> None:
+    """advise --cluster: the dtlab strategies of the fitting layouts, fastest first, x slower."""
+    proc = dtlab("advise", "--config", "configs/quick.yaml", "--gpus", "2", "--gpu-memory", "80",
+                 "--cluster", "h100_sxm_8x", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ranked = json.loads(proc.stdout)["by_step_time"]
+    assert {r["strategy"] for r in ranked} == {"ddp", "fsdp", "hsdp", "zero1"}
+    times = [r["step_s"] for r in ranked]
+    assert times == sorted(times) and ranked[0]["slower"] == 1
+    assert all(r["slower"] == pytest.approx(r["step_s"] / times[0], rel=1e-9) for r in ranked)
+
+
 CASES = [
+    ("advise by time without a config",
+     "advise --n-params 7e9 --gpus 8 --gpu-memory 80 --cluster h100_sxm_8x", "--config"),
     ("unknown cluster", "predict --world-size 8 --cluster h99_pcie", "h99_pcie"),
     ("no cluster", "predict --world-size 8", "--cluster is required"),
     ("profile of another model",

@@ -265,12 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "earlier export of the same format (an earlier one is replaced without it)")
     p.set_defaults(func=cmd_export)
 
-    from dtlab.estimate.cli import (
-        add_advise_arguments,
-        add_estimate_arguments,
-        cmd_advise,
-        cmd_estimate,
-    )
+    from dtlab.estimate.cli import add_advise_arguments, add_estimate_arguments, cmd_estimate
+    from dtlab.predict.advise_time import cmd_advise
     from dtlab.predict.cli import add_predict_arguments, cmd_predict
     from dtlab.text.cli import add_prepare_arguments, add_sample_arguments, cmd_prepare, cmd_sample
 

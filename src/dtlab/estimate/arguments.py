@@ -132,3 +132,6 @@ def add_advise_arguments(p: argparse.ArgumentParser) -> None:
                    help="host memory per node in GB, for offloading (default: not checked)")
     p.add_argument("--reserve", default=0.0, type=number(0, "--reserve 2"), metavar="GB",
                    help="memory per GPU to keep free in GB: CUDA context, allocator (default: 0)")
+    p.add_argument("--cluster", metavar="NAME|FILE", help="with --config: also rank the dtlab "
+                   "strategies of the layouts that fit by their step time, predicted on this "
+                   "cluster (dtlab predict; default: memory only)")

@@ -168,16 +168,22 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_advise(args: argparse.Namespace) -> int:
+def advise_result(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """(the setup, advise's candidates and recommendation) of `dtlab advise`'s arguments."""
     from dtlab.estimate.advise import advise
 
     validate(args)
     base = build_setup(args, args.gpus)
+    return base, advise(lambda ckpt: replace(base, checkpointing=ckpt), args.gpu_memory * GB,
+                        args.reserve * GB, args.host_memory * GB if args.host_memory else None)
+
+
+def cmd_advise(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> int:
+    """`extra`: more of the answer (dtlab predict's ranking by step time), for --json."""
+    base, result = advise_result(args)
     gpu = args.gpu_memory * GB
-    result = advise(lambda ckpt: replace(base, checkpointing=ckpt), gpu, args.reserve * GB,
-                    args.host_memory * GB if args.host_memory else None)
     if args.json:
-        print(json.dumps({"setup": setup_dict(base), **result}, indent=1))
+        print(json.dumps({"setup": setup_dict(base), **result, **(extra or {})}, indent=1))
         return 0
     header("advise", base, f"; {args.gpu_memory:g} GB per GPU"
            + (f", {args.reserve:g} GB reserved" if args.reserve else ""))
