@@ -313,7 +313,8 @@ GROUPS = {"test_report_browser": "sweep", "test_sweep": "sweep", "test_slurm": "
 # --no-loadscope-reorder xdist hands out groups in collection order, each to the worker that
 # runs out of work first, so the long ones start first and the short ones fill both workers
 # up to the end (xdist's default order, by test count, would start the one-test chapters last).
-COST = {"slurm": 105, "test_signals": 82, "guide-08-failure-modes.md": 74, "guide-02-ddp.md": 56,
+COST = {"slurm": 105, "guide-11-predict.md": 36, "test_predict_collectives": 25,
+        "test_predict_trace": 22, "test_tp_hf": 20, "test_loop_overhead": 12, "test_signals": 82, "guide-08-failure-modes.md": 74, "guide-02-ddp.md": 56,
         "test_reliability": 51, "guide-03-fsdp.md": 48, "test_zero": 47,
         "guide-05-model-parallel.md": 43, "test_train_features": 34, "test_launch": 32,
         "test_ddp_hooks": 29, "guide-04-zero.md": 27, "guide-07-communication.md": 26,
