@@ -126,6 +126,21 @@ def test_deepspeed_engine_runs_under_the_recording_group() -> None:
     assert any(e.phase == "backward" for e in t.issues())
 
 
+def test_deepspeed_zero3_trace_leaves_the_process_as_it_was() -> None:
+    """ZeRO-3 traced at rank 1 of 2: its patched F.linear and rank variables are undone after."""
+    pytest.importorskip("deepspeed")
+    import os
+
+    import torch
+
+    linear, environ = torch.nn.functional.linear, {k: os.environ.get(k) for k in
+                                                   ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    t = trace_step(config("deepspeed:3"), 2, 1, 2, device="cpu")
+    assert t.issues() and waits_follow_issues(t.events)
+    assert torch.nn.functional.linear is linear
+    assert {k: os.environ.get(k) for k in environ} == environ
+
+
 def test_a_world_the_strategy_cannot_take_is_refused() -> None:
     """A world size the global batch does not split over is refused with the fix, as dtlab train refuses it."""
     with pytest.raises(ConfigError, match="global_batch_size"):

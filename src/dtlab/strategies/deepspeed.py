@@ -207,7 +207,8 @@ class HeldBytes:
 @contextlib.contextmanager
 def deepspeed_in_one_process(env: Any) -> Iterator[None]:
     """DeepSpeed under a fake process group, one engine after another in one process: the rank
-    variables it reads are this rank's, and the process's own again afterwards; its groups
+    variables it reads are this rank's, and the process's own again afterwards, as is
+    torch.nn.functional.linear, which ZeRO-3 replaces with its own; its groups
     are module globals (deepspeed.utils.groups), forgotten before and after so that an engine
     never finds a destroyed group; and ZeRO-3's checks that every rank holds the same ids
     (a broadcast from rank 0, compared) are made, so their collectives are issued, but a
@@ -225,6 +226,7 @@ def deepspeed_in_one_process(env: Any) -> Iterator[None]:
 
     modules = [m for m in (utils, partition, coordinator, stage3)
                if getattr(m, "assert_ints_same_as_other_ranks", None) is check]
+    linear = torch.nn.functional.linear  # ZeRO-3 replaces it for good ("unless manually reset")
     ranks = {"LOCAL_RANK": env.local_rank, "RANK": env.rank, "WORLD_SIZE": env.world_size}
     before = {key: os.environ.get(key) for key in ranks}
     os.environ.update({key: str(value) for key, value in ranks.items()})
@@ -236,6 +238,7 @@ def deepspeed_in_one_process(env: Any) -> Iterator[None]:
     finally:
         for m in modules:
             m.assert_ints_same_as_other_ranks = check
+        torch.nn.functional.linear = linear
         forget_groups()
         for key, value in before.items():
             if value is None:
