@@ -27,7 +27,10 @@ noise) is kept with the reason and what to measure instead; `predict` refuses to
 
 from __future__ import annotations
 
+import csv
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 from dtlab.errors import DtlabError
@@ -182,6 +185,21 @@ def fit(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if isinstance(r, dict) and "size_bytes" in r and "time_us" in r:
             by_op.setdefault(r["op"], []).append(r)
     return {op: fit_op(op, pts) for op, pts in by_op.items()}
+
+
+def fit_file(path: Path) -> dict[str, dict[str, Any]]:
+    """A `dtlab comm --json` or `--csv` file -> `fit` of its measurements. OSError, ValueError
+    (a binary file's UnicodeDecodeError too), KeyError, TypeError or ArithmeticError when it is
+    not one: the caller names the file and the fix."""
+    text = Path(path).read_text()
+    rows: Any = json.loads(text) if Path(path).suffix != ".csv" else [
+        {"op": r["op"], "world_size": int(r["world_size"]), "size_bytes": float(r["size_bytes"]),
+         "time_us": float(r["time_us"])} for r in csv.DictReader(text.splitlines())]
+    if not isinstance(rows, list) or any(  # the fit divides by a measurement's ranks - 1
+            isinstance(r, dict) and "time_us" in r and not (
+                isinstance(r.get("world_size"), int) and r["world_size"] >= 2) for r in rows):
+        raise ValueError(f"{path}: not a list of measurements on 2 ranks or more")
+    return fit(rows)
 
 
 def predict(model: dict[str, dict[str, Any]], op: str, size_bytes: float, n: int) -> dict[str, float]:

@@ -12,15 +12,13 @@ compute is not modelled. Why, and the measurements: docs/memory.md.
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dtlab.cli_args import input_file
-from dtlab.comm.model import fit, predict, ring_terms
+from dtlab.comm.model import fit_file, predict, ring_terms
 from dtlab.errors import DtlabError
 from dtlab.estimate.memory import Kind, Plan, Precision
 
@@ -115,15 +113,7 @@ def load_comm_results(path: Path) -> Links:
     """A `dtlab comm --json` or `--csv` file -> its alpha-beta fit (dtlab.comm.model.fit)."""
     input_file("--comm-results", path, f"measure with dtlab comm --op all --json {path}")
     try:
-        text = path.read_text()  # a binary file: UnicodeDecodeError, a ValueError
-        rows: Any = json.loads(text) if path.suffix != ".csv" else [
-            {"op": r["op"], "world_size": int(r["world_size"]), "size_bytes": float(r["size_bytes"]),
-             "time_us": float(r["time_us"])} for r in csv.DictReader(text.splitlines())]
-        if not isinstance(rows, list) or any(  # the fit divides by a measurement's ranks - 1
-                isinstance(r, dict) and "time_us" in r and not (
-                    isinstance(r.get("world_size"), int) and r["world_size"] >= 2) for r in rows):
-            raise ValueError
-        fitted = fit(rows)
+        fitted = fit_file(path)
     except (ValueError, KeyError, TypeError, ArithmeticError):
         raise DtlabError(f"--comm-results '{path}' is not a dtlab comm --json/--csv file; fix: "
                          "pass what dtlab comm --json FILE or --csv FILE wrote") from None

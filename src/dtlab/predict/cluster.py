@@ -20,16 +20,14 @@ range, an unusable fit) is one ConfigError line naming the file, the key and the
 
 from __future__ import annotations
 
-import csv
 import difflib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dtlab.comm.model import PoorFitError, fit
+from dtlab.comm.model import PoorFitError, fit_file
 from dtlab.config.load import read_yaml
 from dtlab.errors import ConfigError
 from dtlab.files import meminfo
@@ -226,16 +224,7 @@ def _fit_of(results: Path, path: Path, key: str) -> dict[str, dict[str, Any]]:
         raise ConfigError(f"cluster file '{path}': {key}.comm_results '{results}' not found; "
                           f"fix: {measure}, or correct the path (relative to the cluster file)")
     try:
-        text = results.read_text()  # binary: UnicodeDecodeError, a ValueError
-        rows: Any = json.loads(text) if results.suffix != ".csv" else [
-            {"op": r["op"], "world_size": int(r["world_size"]),
-             "size_bytes": float(r["size_bytes"]), "time_us": float(r["time_us"])}
-            for r in csv.DictReader(text.splitlines())]
-        if not isinstance(rows, list) or any(
-                isinstance(r, dict) and "time_us" in r and not (
-                    isinstance(r.get("world_size"), int) and r["world_size"] >= 2) for r in rows):
-            raise ValueError
-        fitted = fit(rows)
+        fitted = fit_file(results)
     except (OSError, ValueError, KeyError, TypeError, ArithmeticError):
         raise ConfigError(f"cluster file '{path}': {key}.comm_results '{results}' is not a "
                           f"dtlab comm --json/--csv file; fix: {measure}") from None
