@@ -43,20 +43,17 @@ def meta_model(cfg: Config) -> nn.Module:
 
 
 @contextmanager
-def fake_group(rank: int, world: int) -> Iterator[None]:
-    """This process as `rank` of `world` on the fake backend; the group is always destroyed."""
+def one_process_group(backend: str, rank: int, world: int, command: str) -> Iterator[None]:
+    """This process as `rank` of `world` on a backend that needs no other process (torch's fake
+    one, or dtlab predict's recording one): made with a FakeStore, destroyed on every exit path,
+    with what making it changes in the process undone."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
 
     if dist.is_initialized():  # a real group (a training process): never replace or destroy it
         raise DtlabError("a process group is already initialised in this process; fix: run "
-                         "dtlab estimate in a process of its own")
+                         f"dtlab {command} in a process of its own")
     hook = sys.excepthook  # init_process_group wraps it, for good: 1,024 groups, 1,024 wraps
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    # Tiny ops: one thread (two spin against each other on a busy machine, 30x slower here);
-    # uninitialised memory holds denormals (200x slower to multiply): flushed to zero meanwhile
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
+    dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world)
     try:
         with warnings.catch_warnings():  # FSDP1's deprecation, DTensor's notes: once per rank
             warnings.simplefilter("ignore")
@@ -64,11 +61,25 @@ def fake_group(rank: int, world: int) -> Iterator[None]:
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
-        torch.set_flush_denormal(False)  # torch's default; nothing in dtlab sets it
-        torch.set_num_threads(threads)
         if "torch.distributed.tensor" in sys.modules:  # DTensor caches sharding decisions by
             from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # mesh layout:
             _clear_sharding_prop_cache()  # the next rank's equal-looking mesh would get dead groups
+
+
+@contextmanager
+def fake_group(rank: int, world: int) -> Iterator[None]:
+    """This process as `rank` of `world` on the fake backend; the group is always destroyed."""
+    # Tiny ops: one thread (two spin against each other on a busy machine, 30x slower here);
+    # uninitialised memory holds denormals (200x slower to multiply): flushed to zero meanwhile
+    with one_process_group("fake", rank, world, "estimate"):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        torch.set_flush_denormal(True)
+        try:
+            yield
+        finally:
+            torch.set_flush_denormal(False)  # torch's default; nothing in dtlab sets it
+            torch.set_num_threads(threads)
 
 
 def measure_rank(cfg: Config, rank: int, world: int, ranks_per_node: int,

@@ -224,27 +224,11 @@ def register() -> None:
 @contextmanager
 def recording_group(rank: int, world: int) -> Iterator[None]:
     """This process as `rank` of `world` on the recording group; destroyed on every exit path."""
-    import sys
-    import warnings
+    from dtlab.estimate.measure import one_process_group
 
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from dtlab.errors import DtlabError
-
-    if dist.is_initialized():
-        raise DtlabError("a process group is already initialised in this process; fix: run "
-                         "dtlab predict in a process of its own")
     register()
-    hook = sys.excepthook
-    dist.init_process_group(BACKEND, store=FakeStore(), rank=rank, world_size=world)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with one_process_group(BACKEND, rank, world, "predict"):
             yield
     finally:
         RECORDER.on = False
-        dist.destroy_process_group()
-        sys.excepthook = hook
-        if "torch.distributed.tensor" in sys.modules:  # see estimate/measure.fake_group
-            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-            _clear_sharding_prop_cache()
