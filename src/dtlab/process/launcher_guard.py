@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 
+from dtlab.process.environment import variables_set
+
 PID_VAR, START_VAR = "DTLAB_LAUNCHER_PID", "DTLAB_LAUNCHER_START"
 POLL_S = 0.5  # how long a child may outlive its launcher when the kernel's signal missed
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -56,16 +58,8 @@ def launcher_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 def launching() -> Iterator[None]:
     """While torch elastic starts workers (from this process's environment): this process is
     their launcher. The variables are restored afterwards, so that nothing else inherits them."""
-    before = {k: os.environ.get(k) for k in (PID_VAR, START_VAR)}
-    os.environ.update(launcher_env())
-    try:
+    with variables_set(launcher_env()):
         yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def die_with_launcher() -> None:

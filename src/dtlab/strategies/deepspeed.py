@@ -33,6 +33,7 @@ from dtlab.config.strategies.deepspeed_config import deepspeed_config
 from dtlab.errors import ConfigError
 from dtlab.levers.optim import build_optimizer
 from dtlab.models import loss_fn
+from dtlab.process.environment import variables_set
 from dtlab.strategies import deepspeed_checkpoint as ds_checkpoint
 from dtlab.strategies.base import DTYPES, LossHook, StepEngine, Strategy
 from dtlab.strategies.deepspeed_memory import held_bytes
@@ -228,23 +229,17 @@ def deepspeed_in_one_process(env: Any) -> Iterator[None]:
                if getattr(m, "assert_ints_same_as_other_ranks", None) is check]
     linear = torch.nn.functional.linear  # ZeRO-3 replaces it for good ("unless manually reset")
     ranks = {"LOCAL_RANK": env.local_rank, "RANK": env.rank, "WORLD_SIZE": env.world_size}
-    before = {key: os.environ.get(key) for key in ranks}
-    os.environ.update({key: str(value) for key, value in ranks.items()})
     forget_groups()
     for m in modules:
         m.assert_ints_same_as_other_ranks = issued_not_compared
     try:
-        yield
+        with variables_set({key: str(value) for key, value in ranks.items()}):
+            yield
     finally:
         for m in modules:
             m.assert_ints_same_as_other_ranks = check
         torch.nn.functional.linear = linear
         forget_groups()
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def forget_groups() -> None:
