@@ -235,12 +235,13 @@ def predict_step(path: str | None, overrides: list[str], token: str, world: int,
 def loop_seconds(path: str | None, overrides: list[str]) -> float:
     """dtlab's own loop per step on this CPU for this config (run/loop_overhead.py: a short
     1-rank run, once per config and process): what a step costs beyond compute and collectives."""
-    from dtlab.run.loop_overhead import measure_loop_overhead
+    from dtlab.predict.truth import measure_run
 
     key = json.dumps([path, sorted(overrides)])
     if key not in _LOOP:
         plain = [o for o in overrides if not o.startswith("strategy.")]
-        _LOOP[key] = measure_loop_overhead(1, (*plain, "strategy.name=single"), path, 30) or 0.0
+        run = measure_run(path, [*plain, "strategy.name=single"], 1, 30)
+        _LOOP[key] = run["loop_overhead_s"] or 0.0
     return _LOOP[key]
 
 

@@ -1,8 +1,9 @@
 """What really happens: real runs of `dtlab train` on local gloo ranks, for checking predictions.
 
     measure_run(cfg_path, overrides, nproc, steps, record=True)
-        -> {"step_s": median step seconds (summary.json), "collectives": {rank: [(op, bytes,
-            group size), ...]} of one step after the warm-up}
+        -> {"step_s": median step seconds (summary.json), "loop_overhead_s": dtlab's own loop
+            per step, "collectives": {rank: [(op, bytes, group size), ...]} of one step after
+            the warm-up}
 
 The collectives of a step come from the ranks themselves (DTLAB_RECORD_STEP, see
 dtlab/instruments/flight_recorder.py): PyTorch's flight recorder for everything a process group
@@ -32,6 +33,7 @@ from typing import Any
 
 from dtlab.errors import RunError
 from dtlab.instruments.flight_recorder import DIR, RECORD_STEP_ENV
+from dtlab.run.loop_overhead import loop_overhead
 
 Collective = tuple[str, int, int]  # (op, nccl-tests bytes, group size)
 
@@ -134,7 +136,8 @@ def run_args(cfg_path: str | None, overrides: list[str], steps: int, run_dir: Pa
 def measure_run(cfg_path: str | None, overrides: list[str], nproc: int, steps: int,
                 record: bool = False, timeout_s: float = 600) -> dict[str, Any]:
     """Run `python -m dtlab train --nproc-per-node NPROC` for `steps` steps (the first third, at
-    least one, is warm-up) and return the median step time from its summary.json; with `record`,
+    least one, is warm-up) and return the median step time from its summary.json and dtlab's
+    own loop per step (`loop_overhead_s`, run/loop_overhead.py; None on a GPU); with `record`,
     also the collectives each rank issued in the last step (one step after the warm-up; its
     record, a few milliseconds, is inside that step's time: one of the medianed steps)."""
     warmup = max(1, steps // 3)
@@ -152,7 +155,8 @@ def measure_run(cfg_path: str | None, overrides: list[str], nproc: int, steps: i
             tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise RunError(f"measured run failed (exit {proc.returncode}): {tail}")
         summary = json.loads((run_dir / "summary.json").read_text())
-        out: dict[str, Any] = {"step_s": summary["median_step_time_s"]}
+        out: dict[str, Any] = {"step_s": summary["median_step_time_s"],
+                               "loop_overhead_s": loop_overhead(summary)}
         if record:  # one rank has no process group: nothing to record
             out["collectives"] = recorded_collectives(run_dir, steps, nproc) if nproc > 1 \
                 else {0: []}

@@ -1,5 +1,6 @@
 """dtlab's own cost per step: the training loop's time outside the model's compute and
-collectives, measured in every run, for `dtlab predict` to add to a predicted step.
+collectives, measured in every run, for `dtlab predict` to add to a predicted step (it reads it
+from a short run: predict/truth.measure_run).
 
 A step of the loop (train.py), boundary to boundary, is the engine's work (`engine.micro_step`
 per micro batch: forward, backward and the strategy's collectives; `engine.step`: the optimizer)
@@ -18,9 +19,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -49,17 +47,3 @@ def loop_overhead(summary: dict[str, Any] | Path) -> float | None:
         summary = json.loads(path.read_text())
     value = summary.get("loop_overhead_s")
     return float(value) if value is not None else None
-
-
-def measure_loop_overhead(nproc: int = 1, overrides: tuple[str, ...] = (), config: str | None = None,
-                          steps: int = 60, timeout_s: float = 300.0) -> float | None:
-    """Run `dtlab train` for `steps` steps on `nproc` local ranks in a temporary run directory
-    and return its `loop_overhead_s` (this device, this config: the loop's cost grows with the
-    gradients' size, which the finiteness check reads once per step)."""
-    with tempfile.TemporaryDirectory(prefix="dtlab-overhead-") as tmp:
-        cmd = [sys.executable, "-m", "dtlab", "train", "--nproc-per-node", str(nproc),
-               *(["--config", config] if config else []), *overrides,
-               f"train.max_steps={steps}", f"run.log_every={steps}", "run.progress=false",
-               "train.checkpoint_every=0", f"run.dir={tmp}/run"]
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=timeout_s)
-        return loop_overhead(Path(tmp) / "run")
