@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dtlab.config import Config
@@ -39,7 +39,6 @@ class Request:
     profile: Profile | None = None  # compute from a profile file
     threads: int | None = None  # torch threads per rank when measuring on a CPU
     loop_s: float = 0.0  # dtlab's own loop per step beyond compute and collectives (measured)
-    notes: list[str] = field(default_factory=list)
 
 
 def strategy_config(req: Request, token: str) -> Config:
@@ -69,12 +68,9 @@ def trace_device(req: Request, cfg: Config) -> tuple[str, str | None]:
     here in seconds, else the meta device (shapes and FLOPs only)."""
     import torch
 
-    from dtlab.estimate.measure import meta_model
-    from dtlab.models import count_params
-
     if not req.measure:
         return "meta", None
-    n = count_params(meta_model(cfg))
+    n = model_params(cfg)
     if n > MEASURE_MAX_PARAMS:
         return "meta", (f"{n:,} parameters, more than the {MEASURE_MAX_PARAMS:,} measured here in "
                         "seconds: compute from the roofline, not measured")
@@ -165,7 +161,8 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
                            "model": cfg.model.name, "n_params": model_params(cfg)})
     probe = load_probe(device)
     traces = traces_of(req, cfg, device)
-    if probe is not None and (loaded := machine_loaded(probe)):
+    loaded = machine_loaded(probe, req.threads or 1) if probe is not None else None
+    if loaded:
         notes.append(f"compute measured while {loaded}: slower than this machine's; fix: "
                      "measure on an idle machine")
     if record is not None and device != "meta":
@@ -188,7 +185,7 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
         "split": dict(timeline.split), "exposed_comm": dict(timeline.exposed),
         "comm_busy": dict(timeline.busy), "loop_s": req.loop_s, "traced_on": device,
         "sources": {k: sorted(v) for k, v in sources.items()}, "notes": notes,
-        "unreliable": bool(probe is not None and loaded)}
+        "unreliable": loaded is not None}
     if tokens := row["tokens_per_s"]:
         row["tokens_per_s_per_device"] = tokens / req.world
     row["memory"] = memory(req, token, traces, notes)
@@ -203,16 +200,15 @@ def load_probe(device: str) -> Any:
     return LoadProbe() if device == "cpu" else None
 
 
-def machine_loaded(probe: Any) -> str | None:
-    """Why the compute just measured is not this machine's (other processes busy), or None."""
-    from dtlab.instruments.machine_load import OTHERS_MARGIN_CORES, cpu_set
+def machine_loaded(probe: Any, threads: int) -> str | None:
+    """Why the compute just measured is not this machine's (other processes busy), or None:
+    the cores other processes kept busy meanwhile, as a run's timing record counts them."""
+    from dtlab.instruments.machine_load import OTHERS_MARGIN_CORES, node_view
 
-    seen = probe.finish()
-    cores = cpu_set()
-    busy = sum(v for c, v in seen["busy_s"].items() if c in cores) / seen["wall_s"]
-    others = busy - seen["own_cpu_s"] / seen["wall_s"]
-    if others > OTHERS_MARGIN_CORES:
-        return f"other processes kept {others:.1f} of {len(cores)} core(s) busy"
+    node = node_view(probe.finish(), threads, lambda mine: [mine])[0]
+    others = node["others_cores"]
+    if others is not None and others > OTHERS_MARGIN_CORES:
+        return f"other processes kept {others:.1f} of {node['cores']} core(s) busy"
     return None
 
 

@@ -134,7 +134,7 @@ def mark_collateral() -> None:
 
 @contextmanager
 def deferred(deadline_s: float) -> Iterator[None]:
-    """Signals only set the flag (the ranks agree on it: DistContext.agree_stop); a stop not
+    """Signals only set the flag (the ranks agree on it: run/stop.py's StopVote); a stop not
     taken within deadline_s (not counting `busy()` time) is forced."""
     _state.deferred, _state.deadline_s = True, deadline_s
     try:
