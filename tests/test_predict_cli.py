@@ -25,6 +25,9 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cluster = (Path(__file__).resolve().parents[1] / "configs/clusters/cpu_gloo.yaml").read_text()
     (ws / "noisy.yaml").write_text(cluster.replace("cpu_gloo_comm.json", str(ws / "noisy.json")))
     (ws / "not_a_profile.json").write_text('{"steps": 1}')
+    whole = json.loads((ws / "quick.json").read_text())
+    del whole["n_params"]
+    (ws / "no_size.json").write_text(json.dumps(whole))
     return ws
 
 
@@ -79,6 +82,9 @@ CASES = [
      "predict --world-size 2 --cluster cpu_gloo --profile {ws}/quick.json train.precision=bf16",
      "dtype fp32"),
     ("not a profile", "predict --world-size 2 --cluster cpu_gloo --profile {ws}/not_a_profile.json",
+     "is not a dtlab profile file"),
+    ("a profile without its model's size",
+     "predict --world-size 2 --cluster cpu_gloo --profile {ws}/no_size.json",
      "is not a dtlab profile file"),
     ("a world size the strategy cannot take",
      "predict --world-size 3 --cluster cpu_gloo --strategies ddp", "--world-size 3"),

@@ -123,6 +123,9 @@ def load_profile(path: str) -> Profile:
                                                    float(r["bytes"])] for r in rows}
                  for spec, rows in data.pop("table").items()}
         steps = {k: float(v) for k, v in data.pop("steps").items()}
+        for key in ("model", "model_digest", "dtype"):  # what `check` names in its refusals
+            str(data[key])
+        data["n_params"] = int(data["n_params"])
     except (ValueError, KeyError, TypeError, AttributeError):
         raise DtlabError(f"--profile {path} is not a dtlab profile file; fix: pass what dtlab "
                          "predict --measure --save-profile FILE wrote") from None
