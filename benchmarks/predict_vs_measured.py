@@ -35,7 +35,7 @@ from typing import Any
 from dtlab.config import load_config
 from dtlab.config.strategies.registry import parse as parse_spec
 from dtlab.errors import ConfigError
-from dtlab.predict.truth import forget_deepspeed_groups, measure_run, split_alone
+from dtlab.predict.truth import measure_run, split_alone
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {  # label -> (config file, overrides): small enough that a run takes seconds here
@@ -65,7 +65,6 @@ def predict(cfg_path: str, overrides: list[str], strategy: str, ranks: int,
     """THE prediction under test: the one call into dtlab.predict's pipeline."""
     from dtlab.predict.core import predict_step
 
-    forget_deepspeed_groups()
     return predict_step(cfg_path, overrides, strategy, ranks, cluster)
 
 
@@ -77,7 +76,6 @@ def predicted_collectives(cfg_path: str, overrides: list[str], strategy: str,
     cfg = load_config(cfg_path, [*overrides, *parse_spec(strategy)])
     out = {}
     for rank in range(ranks):
-        forget_deepspeed_groups()
         trace = trace_step(cfg, ranks, rank, ranks, device="cpu")
         out[rank] = (collectives_of(trace), int(trace.meta.get("alone", 0)))
     return out

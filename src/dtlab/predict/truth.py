@@ -115,14 +115,6 @@ def recorded_collectives(run_dir: Path, step: int, nproc: int) -> dict[int, list
     return out
 
 
-def forget_deepspeed_groups() -> None:
-    """DeepSpeed keeps the process groups it made in module globals: forget them before a run
-    or a trace in this process (strategies/deepspeed.py)."""
-    from dtlab.strategies.deepspeed import forget_groups
-
-    forget_groups()
-
-
 def run_args(cfg_path: str | None, overrides: list[str], steps: int, run_dir: Path,
              warmup: int) -> list[str]:
     """`dtlab train`'s arguments for a measured run: `steps` steps, the first `warmup` untimed, no
