@@ -210,6 +210,38 @@ def test_poor_comm_fit_is_refused_in_one_line(tmp_path: Path) -> None:
     assert comm_seconds(Issue(0, "all_gather", 1 << 20, (0, 1)), c, 8)[0] > 0
 
 
+def test_link_with_a_fit_per_number_of_ranks_prices_from_the_nearest_below(
+        tmp_path: Path) -> None:
+    """A link with one dtlab comm file per number of ranks prices a collective of n ranks from
+    the fit measured on the most ranks up to n (the fewest measured, below them); two files of
+    the same number of ranks are refused in one line."""
+    two = comm_rows("all_reduce", 50e-6, 1 / 2e9)
+    four = [{**r, "world_size": 4, "time_us": r["time_us"] * 3} for r in
+            comm_rows("all_reduce", 50e-6, 1 / 2e9)]
+    (tmp_path / "two.json").write_text(json.dumps(two))
+    (tmp_path / "four.json").write_text(json.dumps(four))
+    link = "  comm_results: [two.json, four.json]\n  source: dtlab comm here\n"
+    c = load_cluster(write(tmp_path, H100.split("intra:")[0] + f"intra:\n{link}inter:\n{link}"))
+    assert sorted(c.intra.by_world) == [2, 4] and "on 2, 4 ranks" in c.intra.source
+
+    def price(n: int) -> float:
+        return comm_seconds(Issue(0, "all_reduce", 1 << 20, tuple(range(n))), c, 8)[0]
+
+    a2, b2 = c.intra.by_world[2]["all_reduce"]["a_s"], c.intra.by_world[2]["all_reduce"]["b_s_per_byte"]
+    assert price(2) == pytest.approx(a2 + b2 * (1 << 20), rel=1e-6)
+    a4, b4 = c.intra.by_world[4]["all_reduce"]["a_s"], c.intra.by_world[4]["all_reduce"]["b_s_per_byte"]
+    assert price(4) == pytest.approx(a4 + b4 * (1 << 20), rel=1e-6)
+    assert price(4) == pytest.approx(3 * price(2), rel=1e-3)
+    assert price(8) > price(4)  # the 4-rank fit's alpha and beta on 8 ranks' ring terms
+    dup = "  comm_results: [two.json, two.json]\n  source: dtlab comm here\n"
+    path = write(tmp_path, H100.split("intra:")[0] + f"intra:\n{dup}inter:\n{dup}", "dup.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_cluster(path)
+    assert one_line(e) == (f"cluster file '{path}': intra.comm_results: {tmp_path / 'two.json'} "
+                           "measures 2 ranks, as another of its files does; fix: one dtlab comm "
+                           "--json file per number of ranks")
+
+
 def test_comm_results_that_are_not_a_comm_file_are_one_line(tmp_path: Path) -> None:
     """A link's comm_results that is missing or not a dtlab comm file is refused in one line."""
     path = fit_cluster(tmp_path, [])
@@ -237,30 +269,27 @@ def test_shipped_cpu_fit_prices_every_op() -> None:
 
 
 # ------------------------------------------------------------------------------ compute
-def test_measured_compute_is_scaled_when_ranks_share_cores() -> None:
-    """Measured compute is used as measured, and scaled by ranks x threads over the cores when
-    the ranks of a node share a CPU's cores."""
+def test_measured_compute_is_used_as_measured() -> None:
+    """Measured compute is used as measured, on a CPU host and on a GPU node alike (the sharing
+    of a host's cores is the simulator's, test_predict_simulate.py)."""
     c = load_cluster("cpu_gloo")
-    c.cores = 2
-    assert compute_seconds(Compute("forward", seconds=0.1), c, "fp32", 2, 1) == (0.1, "measured")
-    assert compute_seconds(Compute("forward", seconds=0.1), c, "fp32", 4, 1) == (
-        pytest.approx(0.2), "measured, x2 for 4 rank(s) x 1 thread(s) sharing 2 cores")
-    gpu = load_cluster("h100_sxm_8x")  # one GPU per rank: nothing shared
-    assert compute_seconds(Compute("backward", seconds=0.1), gpu, "bf16", 8, 4) == (0.1, "measured")
+    assert compute_seconds(Compute("forward", seconds=0.1), c, "fp32", 1) == (0.1, "measured")
+    gpu = load_cluster("h100_sxm_8x")
+    assert compute_seconds(Compute("backward", seconds=0.1), gpu, "bf16", 4) == (0.1, "measured")
 
 
 def test_roofline_compute_from_the_datasheet_peak() -> None:
     """Compute without a measurement is a roofline: FLOPs at the stated efficiency of the
     datasheet peak, or bytes at the HBM bandwidth when that is slower."""
     c = load_cluster("h100_sxm_8x")
-    t, source = compute_seconds(Compute("forward", flops=1e15), c, "bf16", 8, 1)
+    t, source = compute_seconds(Compute("forward", flops=1e15), c, "bf16", 1)
     assert t == pytest.approx(1e15 / (989.4e12 * 0.5))
     assert source == ("roofline at 50% of 989.4 TFLOP/s bf16 (NVIDIA H100 Tensor Core GPU "
                       "datasheet (H100 SXM), dense (without sparsity)), FLOPs only (bytes not "
                       "counted)")
-    t, source = compute_seconds(Compute("forward", flops=1e9, bytes=3.35e12), c, "bfloat16", 8, 1)
+    t, source = compute_seconds(Compute("forward", flops=1e9, bytes=3.35e12), c, "bfloat16", 1)
     assert t == pytest.approx(1.0) and source.endswith("and 3350 GB/s memory")
-    t, _ = compute_seconds(Compute("optimizer", flops=1e12), c, "fp32", 8, 1)
+    t, _ = compute_seconds(Compute("optimizer", flops=1e12), c, "fp32", 1)
     assert t == pytest.approx(1e12 / (66.9e12 * 0.5))
 
 
@@ -273,7 +302,7 @@ def test_cpu_roofline_measures_the_peak(monkeypatch: pytest.MonkeyPatch) -> None
     try:
         c = load_cluster("cpu_gloo")
         c.cores = 4
-        t, source = compute_seconds(Compute("forward", flops=1e9), c, "fp32", 1, 3)
+        t, source = compute_seconds(Compute("forward", flops=1e9), c, "fp32", 3)
     finally:
         roofline._cpu_peak.cache_clear()
     assert calls == [3]
@@ -285,12 +314,12 @@ def test_cpu_roofline_measures_the_peak(monkeypatch: pytest.MonkeyPatch) -> None
 def test_unknown_peak_for_a_dtype_is_refused_in_one_line(tmp_path: Path) -> None:
     """A roofline in a dtype the cluster file has no peak for is refused in one line."""
     with pytest.raises(ConfigError) as e:
-        compute_seconds(Compute("forward", flops=1e9), load_cluster("cpu_gloo"), "bf16", 1, 1)
+        compute_seconds(Compute("forward", flops=1e9), load_cluster("cpu_gloo"), "bf16", 1)
     assert one_line(e) == (
         "cluster 'cpu_gloo' has no peak for bf16 (it lists fp32); fix: predict with "
         "train.precision=fp32, or add peak_tflops.bf16 with its source to a copy of "
         "configs/clusters/cpu_gloo.yaml (pass the copy to --cluster)")
     path = write(tmp_path, H100.replace("bf16: 989.4, fp16: 989.4, ", ""))
     with pytest.raises(ConfigError) as e:
-        compute_seconds(Compute("forward", flops=1e9), load_cluster(path), "bf16", 1, 1)
+        compute_seconds(Compute("forward", flops=1e9), load_cluster(path), "bf16", 1)
     assert one_line(e).endswith(f"add peak_tflops.bf16 with its source to {path}")

@@ -302,3 +302,46 @@ def test_64_ranks_of_10k_events_simulate_well_under_a_second():
     elapsed = time.perf_counter() - start
     assert sum(len(e) for e in traces.values()) == 64 * 160
     assert tl.step_s > 40 * 0.011 and elapsed < 1.0
+
+
+# ------------------------------------------------------------------- ranks sharing a host's cores
+def shared_run(events_by_rank: dict[int, list], cores: int, ranks_per_node: int, world: int,
+               slowdown: float = 0.0):
+    from dtlab.predict.cores import CoreShare
+
+    traces = {r: Trace(rank=r, world=world, events=ev) for r, ev in events_by_rank.items()}
+    share = CoreShare(cores, 1, ranks_per_node, world, traces)
+    return simulate(traces, compute_s, comm_s, slowdown, cores=share)
+
+
+def test_symmetric_ranks_on_too_few_cores_compute_at_their_share():
+    """One traced rank standing for 4 ranks of 1 thread on 2 cores computes 2x slower than alone;
+    on 4 cores, or on a node of its own, at full speed."""
+    events = {0: [comp(1.0), comp(2.0, "backward")]}
+    assert shared_run(events, cores=2, ranks_per_node=4, world=4).step_s == pytest.approx(6.0)
+    assert shared_run(events, cores=4, ranks_per_node=4, world=4).step_s == pytest.approx(3.0)
+    assert shared_run(events, cores=2, ranks_per_node=1, world=4).step_s == pytest.approx(3.0)
+
+
+def test_a_rank_waiting_leaves_the_cores_to_the_others():
+    """Two traced ranks on one core: while both compute each runs at half speed; when one
+    stops (its work done, or waiting for a message), the other runs at full speed."""
+    tl = shared_run({0: [comp(1.0)], 1: [comp(3.0)]}, cores=1, ranks_per_node=2, world=2)
+    # both at half speed for 2 s (1 s of work each), then rank 1 alone for its last 2 s of work
+    assert tl.per_rank_s == {0: pytest.approx(2.0), 1: pytest.approx(4.0)}
+    send = Issue(1, "send", 1000, (0, 1), "forward")
+    recv = Issue(1, "recv", 1000, (0, 1), "forward")
+    tl = shared_run({0: [comp(1.0), send, Wait(1)], 1: [recv, Wait(1), comp(1.0)]},
+                    cores=1, ranks_per_node=2, world=2)
+    # rank 1 waits for rank 0's 1 s of work and the 1 s message: neither shares a core
+    assert tl.per_rank_s[1] == pytest.approx(3.0) and tl.split["bubble"] == pytest.approx(1.0)
+
+
+def test_sharing_and_overlap_slowdown_multiply():
+    """A rank at half its core's share that overlaps a collective runs (1 + slowdown) x 2 slower
+    meanwhile; the overlap's part alone is reported as slowdown_s."""
+    events = {0: [coll(0, 1.0), comp(1.0, "backward"), Wait(0)]}
+    tl = shared_run(events, cores=1, ranks_per_node=2, world=2, slowdown=0.5)
+    # 1 s of comm: 1/3 s of work at 3x; then 2/3 s of work at 2x alone
+    assert tl.step_s == pytest.approx(1.0 + 4 / 3)
+    assert tl.slowdown_s == pytest.approx(1.0 / 3)

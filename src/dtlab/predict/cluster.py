@@ -52,7 +52,17 @@ class Link:
     bus_bytes_per_s: float | None
     latency_s: float | None
     source: str
-    fit: dict[str, dict[str, Any]] | None = None
+    fit: dict[str, dict[str, Any]] | None = None  # the fit of the fewest ranks measured
+    by_world: dict[int, dict[str, dict[str, Any]]] | None = None  # every fit, by its ranks
+
+    def fit_for(self, n: int) -> dict[str, dict[str, Any]] | None:
+        """The fit measured on the most ranks up to n (the fewest measured, below them): on
+        a shared host the ranks' count changes the cost of a collective beyond the ring's
+        terms (their threads share the cores)."""
+        if not self.by_world:
+            return self.fit
+        below = [w for w in sorted(self.by_world) if w <= n]
+        return self.by_world[below[-1] if below else min(self.by_world)]
 
 
 @dataclass
@@ -85,7 +95,7 @@ class _Strict(BaseModel):
 class _LinkSpec(_Strict):
     busbw_gb_per_s: _Positive | None = None
     latency_us: _NonNegative | None = None
-    comm_results: str | None = None
+    comm_results: str | list[str] | None = None  # one file per number of ranks measured
     fits: list[Literal[FIT_OPS]] | None = None  # type: ignore[valid-type]
     source: _Source
 
@@ -195,9 +205,29 @@ def _link(spec: _LinkSpec, path: Path, key: str) -> Link:
     if spec.comm_results is None:
         assert spec.busbw_gb_per_s is not None and spec.latency_us is not None
         return Link(spec.busbw_gb_per_s * 1e9, spec.latency_us * 1e-6, spec.source)
-    results = (path.parent / spec.comm_results) if not Path(spec.comm_results).is_absolute() \
-        else Path(spec.comm_results)
-    fitted = _fit_of(results, path, key)
+    names = [spec.comm_results] if isinstance(spec.comm_results, str) else spec.comm_results
+    if not names:
+        raise ConfigError(f"cluster file '{path}': {key}.comm_results is an empty list; fix: "
+                          "name a dtlab comm --json file (or one per number of ranks)")
+    by_world: dict[int, dict[str, dict[str, Any]]] = {}
+    for name in names:
+        results = path.parent / name if not Path(name).is_absolute() else Path(name)
+        used = _used_fits(spec, _fit_of(results, path, key), results, path, key)
+        worlds = sorted({m["world_size"] for m in used.values()})
+        if len(worlds) != 1 or worlds[0] in by_world:
+            what = "several numbers of ranks" if len(worlds) != 1 else \
+                f"{worlds[0]} ranks, as another of its files does"
+            raise ConfigError(f"cluster file '{path}': {key}.comm_results: {results} measures "
+                              f"{what}; fix: one dtlab comm --json file per number of ranks")
+        by_world[worlds[0]] = used
+    ops = sorted({op for used in by_world.values() for op in used})
+    worlds = ", ".join(str(w) for w in sorted(by_world))
+    return Link(None, None, f"{spec.source} (alpha-beta fit of {', '.join(names)} on {worlds} "
+                f"ranks: {', '.join(ops)})", fit=by_world[min(by_world)], by_world=by_world)
+
+
+def _used_fits(spec: _LinkSpec, fitted: dict[str, dict[str, Any]], results: Path, path: Path,
+               key: str) -> dict[str, dict[str, Any]]:
     used = {op: m for op, m in fitted.items() if spec.fits is None or op in spec.fits}
     for op in spec.fits or []:
         if op not in fitted:
@@ -214,8 +244,7 @@ def _link(spec: _LinkSpec, path: Path, key: str) -> Link:
                                f"({m['world_size']} ranks) is refused: {m['refused']}; or "
                                f"leave {op} out of {key}.fits (it is then priced from the "
                                "all_reduce fit)")
-    return Link(None, None, f"{spec.source} (alpha-beta fit of {spec.comm_results}: "
-                f"{', '.join(used)})", fit=used)
+    return used
 
 
 def _fit_of(results: Path, path: Path, key: str) -> dict[str, dict[str, Any]]:

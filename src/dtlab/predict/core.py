@@ -39,6 +39,7 @@ class Request:
     profile: Profile | None = None  # compute from a profile file
     threads: int | None = None  # torch threads per rank when measuring on a CPU
     loop_s: float = 0.0  # dtlab's own loop per step beyond compute and collectives (measured)
+    beside: bool = True  # on a CPU host, time compute with the node's other ranks running (corun.py)
 
 
 def strategy_config(req: Request, token: str) -> Config:
@@ -77,16 +78,25 @@ def trace_device(req: Request, cfg: Config) -> tuple[str, str | None]:
     return ("cuda" if torch.cuda.is_available() else "cpu"), None
 
 
-def traces_of(req: Request, cfg: Config, device: str) -> dict[int, Trace]:
+def traces_of(req: Request, cfg: Config, device: str) -> tuple[dict[int, Trace], float]:
+    """The traced ranks' traces, and the CPU seconds of the processes that ran beside them
+    (corun.py: on a CPU host, the node's other ranks)."""
+    from dtlab.predict.corun import beside, helpers_beside
     from dtlab.predict.streams import with_streams
     from dtlab.predict.trace import trace_step, traced_ranks
 
     threads = req.threads or 1
-    traces = {r: trace_step(cfg, req.world, r, req.ranks_per_node, device=device, threads=threads)
-              for r in traced_ranks(cfg, req.world, req.ranks_per_node)}
+    ranks = traced_ranks(cfg, req.world, req.ranks_per_node)
+    count = helpers_beside(req.ranks_per_node, req.cluster.cores, threads) \
+        if device == "cpu" and req.beside else 0
+    with beside(cfg, req.world, ranks[0], req.ranks_per_node, threads, count) as helpers:
+        traces = {r: trace_step(cfg, req.world, r, req.ranks_per_node, device=device,
+                                threads=threads) for r in ranks}
+    for t in traces.values():
+        t.meta["beside"] = count
     if req.cluster.cores is None:  # a device per rank, with streams: the GPU's order of events
         traces = {r: with_streams(t) for r, t in traces.items()}
-    return traces
+    return traces, helpers.cpu_s
 
 
 def pricing(req: Request, cfg: Config, token: str) -> tuple[Any, Any, dict[str, set[str]]]:
@@ -105,7 +115,7 @@ def pricing(req: Request, cfg: Config, token: str) -> tuple[Any, Any, dict[str, 
                 return seconds
             except KeyError:
                 pass
-        seconds, source = compute_seconds(c, req.cluster, dtype, req.ranks_per_node, threads)
+        seconds, source = compute_seconds(c, req.cluster, dtype, threads)
         sources["compute"].add(source)
         return seconds
 
@@ -160,8 +170,11 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
         req.profile.check({"model_digest": model_digest(cfg), "dtype": cfg.train.precision,
                            "model": cfg.model.name, "n_params": model_params(cfg)})
     probe = load_probe(device)
-    traces = traces_of(req, cfg, device)
-    loaded = machine_loaded(probe, req.threads or 1) if probe is not None else None
+    traces, helpers_cpu_s = traces_of(req, cfg, device)
+    if count := traces[min(traces)].meta["beside"]:
+        notes.append(f"compute timed with {count} other process(es) stepping the same model "
+                     "beside it, as the node's other ranks share its memory in a run")
+    loaded = machine_loaded(probe, req.threads or 1, helpers_cpu_s) if probe is not None else None
     if loaded:
         notes.append(f"compute measured while {loaded}: slower than this machine's; fix: "
                      "measure on an idle machine")
@@ -169,7 +182,8 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
         record.meta.update(profile_meta(cfg, traces[min(traces)]))
         record.add(token, traces[min(traces)])
     compute_s, comm_s, sources = pricing(req, cfg, token)
-    timeline = simulate(traces, compute_s, comm_s, req.cluster.overlap_slowdown)
+    cores = core_share(req, traces, notes)
+    timeline = simulate(traces, compute_s, comm_s, req.cluster.overlap_slowdown, cores=cores)
     step_s = timeline.step_s + req.loop_s
     spec = spec_for(cfg)
     samples = cfg.train.global_batch_size / step_s
@@ -193,6 +207,20 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
     return row
 
 
+def core_share(req: Request, traces: dict[int, Trace], notes: list[str]) -> Any:
+    """The simulator's sharing of a CPU host's cores among its ranks (None: a device per rank)."""
+    from dtlab.predict.cores import CoreShare
+
+    cores, threads = req.cluster.cores, req.threads or 1
+    if not cores:
+        return None
+    if req.ranks_per_node * threads > cores:
+        notes.append(f"{req.ranks_per_node} rank(s) x {threads} thread(s) share {cores} cores: "
+                     "each rank computes at its share of them while the others compute "
+                     f"(up to {req.ranks_per_node * threads / cores:.2g}x slower than alone)")
+    return CoreShare(cores, threads, req.ranks_per_node, req.world, traces)
+
+
 def load_probe(device: str) -> Any:
     """A CPU measurement watches the machine (instruments/machine_load.py): None elsewhere."""
     from dtlab.instruments.machine_load import LoadProbe
@@ -200,12 +228,15 @@ def load_probe(device: str) -> Any:
     return LoadProbe() if device == "cpu" else None
 
 
-def machine_loaded(probe: Any, threads: int) -> str | None:
+def machine_loaded(probe: Any, threads: int, helpers_cpu_s: float = 0.0) -> str | None:
     """Why the compute just measured is not this machine's (other processes busy), or None:
-    the cores other processes kept busy meanwhile, as a run's timing record counts them."""
+    the cores other processes kept busy meanwhile, as a run's timing record counts them; the
+    processes that ran beside the traced rank on purpose (`helpers_cpu_s`) are not others."""
     from dtlab.instruments.machine_load import OTHERS_MARGIN_CORES, node_view
 
-    node = node_view(probe.finish(), threads, lambda mine: [mine])[0]
+    mine = probe.finish()
+    mine["own_cpu_s"] += helpers_cpu_s
+    node = node_view(mine, threads, lambda me: [me])[0]
     others = node["others_cores"]
     if others is not None and others > OTHERS_MARGIN_CORES:
         return f"other processes kept {others:.1f} of {node['cores']} core(s) busy"
@@ -213,7 +244,7 @@ def machine_loaded(probe: Any, threads: int) -> str | None:
 
 
 def profile_meta(cfg: Config, trace: Trace) -> dict[str, Any]:
-    return {**{k: trace.meta.get(k) for k in ("device", "threads", "torch")},
+    return {**{k: trace.meta.get(k) for k in ("device", "threads", "torch", "beside")},
             "dtype": cfg.train.precision, "model": cfg.model.name,
             "n_params": model_params(cfg), "model_digest": model_digest(cfg)}
 

@@ -13,7 +13,8 @@ nccl-tests size, events.py) on n ranks takes
 
 `latency` is the time of a small collective on that tier as nccl-tests reports it, taken as not
 growing with n (NCCL uses trees and low-latency protocols for small messages): an assumption.
-A link given as a `dtlab comm` fit instead takes that fit's ring prediction (comm/model.py).
+A link given as a `dtlab comm` fit instead takes that fit's ring prediction (comm/model.py), from
+the fit measured on the most ranks up to n where the file gives several (cluster.Link.fit_for).
 
 Across nodes with g > 1 ranks of the group on a node and m nodes, the hierarchical form NCCL's
 and most frameworks' multi-node collectives follow: the fast intra-node links carry the full
@@ -59,11 +60,12 @@ def link_seconds(link: Link, op: str, size: float, n: int) -> float:
     """Seconds of `op` on `size` bytes among n ranks over one tier of links (flat)."""
     if n <= 1 and op not in ("send", "recv"):
         return 0.0
-    if link.fit is not None:
+    fit = link.fit_for(n)
+    if fit is not None:
         if op == "barrier":
             op, size = "all_reduce", 0.0
         name = "send_recv" if op in ("send", "recv") else op
-        return predict(link.fit, name, size, max(n, 2))["ring_s"]
+        return predict(fit, name, size, max(n, 2))["ring_s"]
     assert link.bus_bytes_per_s is not None and link.latency_s is not None
     return link.latency_s + size * bus_factor(op, max(n, 2)) / link.bus_bytes_per_s
 

@@ -1,10 +1,9 @@
 """The seconds one stretch of compute takes on a cluster's device, and where that number comes from.
 
-Measured (a trace taken on the target device): its seconds, times the shared-cores factor where
-the ranks of a node share a CPU's cores: ranks_per_node x threads over the cores, when above 1.
-A CPU with 4 ranks of 1 thread on 2 cores runs each rank about 2x slower than the trace, which
-ran alone; an assumption (the OS shares cores fairly, and memory bandwidth is not the limit).
-The trace must be taken with the rank's own thread count (`threads`, which the profile records).
+Measured (a trace taken on the target device): its seconds, as one rank alone with its own
+thread count (`threads`, which the profile records) ran them. Where the ranks of a node share a
+CPU's cores, the simulator shares them out (cores.py), and the trace was timed with the node's
+other ranks running beside it (corun.py), so that the memory they share is shared as in a run.
 
 Otherwise a roofline: max(FLOPs / (peak x compute_efficiency), bytes / HBM bandwidth), the
 peak of the dtype from the cluster file (a datasheet) or, for `measure`, a float32 matrix
@@ -61,21 +60,10 @@ def peak_tflops(cluster: Cluster, dtype: str, threads: int = 1) -> tuple[float, 
     return float(value), cluster.peak_source
 
 
-def shared_cores(cluster: Cluster, ranks_per_node: int, threads: int) -> float:
-    """How much slower each rank runs than alone: ranks x threads over cores, when above 1."""
-    if not cluster.cores:
-        return 1.0
-    return max(1.0, ranks_per_node * max(1, threads) / cluster.cores)
-
-
-def compute_seconds(c: Compute, cluster: Cluster, dtype: str, ranks_per_node: int,
-                    threads: int) -> tuple[float, str]:
-    """(seconds, source) of one Compute on one rank of `cluster` (module docstring)."""
-    factor = shared_cores(cluster, ranks_per_node, threads)
-    shared = (f", x{factor:.2g} for {ranks_per_node} rank(s) x {threads} thread(s) sharing "
-              f"{cluster.cores} cores" if factor > 1 else "")
+def compute_seconds(c: Compute, cluster: Cluster, dtype: str, threads: int) -> tuple[float, str]:
+    """(seconds, source) of one Compute on one rank of `cluster` alone (module docstring)."""
     if c.seconds is not None:
-        return c.seconds * factor, "measured" + shared
+        return c.seconds, "measured"
     peak, source = peak_tflops(cluster, dtype, threads)
     eff = cluster.compute_efficiency
     t_flops = c.flops / (peak * 1e12 * eff)
@@ -87,4 +75,4 @@ def compute_seconds(c: Compute, cluster: Cluster, dtype: str, ranks_per_node: in
         t = t_flops
         label += ", FLOPs only (bytes " + ("not counted)" if cluster.hbm_bytes_per_s else
                                            "bandwidth unknown)")
-    return t * factor, label + shared
+    return t, label

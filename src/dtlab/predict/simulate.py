@@ -52,6 +52,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 
 from dtlab.errors import DtlabError
+from dtlab.predict.cores import CoreShare
 from dtlab.predict.events import POINT_TO_POINT, Compute, Issue, Trace, Wait
 from dtlab.predict.timeline import Call, RankState, Span, Stream, Timeline
 
@@ -65,10 +66,11 @@ def _name(e: Issue, n: int) -> str:
 
 def simulate(traces: Mapping[int, Trace], compute_s: Callable[[Compute], float],
              comm_s: Callable[[Issue], tuple[float, str]], overlap_slowdown: float = 0.0,
-             *, collective_streams: str = "rank") -> Timeline:
+             *, collective_streams: str = "rank", cores: CoreShare | None = None) -> Timeline:
     """One step of the traced ranks (module docstring); DtlabError on a trace that cannot end.
     collective_streams: "rank" (one FIFO per rank, the default) or "group" (one per process
-    group), see the module docstring."""
+    group), see the module docstring. cores: the ranks of a node share its cores (cores.py);
+    None: every rank has its own device."""
     if not traces:
         raise DtlabError("predict: no trace to simulate (the tracer returned no rank)")
     if collective_streams not in ("rank", "group"):
@@ -76,14 +78,14 @@ def simulate(traces: Mapping[int, Trace], compute_s: Callable[[Compute], float],
     if not overlap_slowdown >= 0:
         raise DtlabError(f"predict: overlap slowdown {overlap_slowdown} must be >= 0")
     return _Simulation(traces, compute_s, comm_s, overlap_slowdown,
-                       collective_streams == "group").run()
+                       collective_streams == "group", cores).run()
 
 
 class _Simulation:
     def __init__(self, traces: Mapping[int, Trace], compute_s: Callable[[Compute], float],
                  comm_s: Callable[[Issue], tuple[float, str]], overlap_slowdown: float,
-                 per_group: bool) -> None:
-        self.compute_s, self.comm_s = compute_s, comm_s
+                 per_group: bool, cores: CoreShare | None) -> None:
+        self.compute_s, self.comm_s, self.cores = compute_s, comm_s, cores
         self.stretch = 1.0 + overlap_slowdown
         self.ranks = {r: RankState(r, t) for r, t in sorted(traces.items())}
         self.per_group = per_group
@@ -127,6 +129,7 @@ class _Simulation:
                 if seconds == 0:
                     continue
                 st.remaining, st.t_last, st.current = seconds, t, (e, t)
+                self._reshare(st, t, +1)
                 self._schedule(st, t)
                 return
             if isinstance(e, Issue):
@@ -146,18 +149,31 @@ class _Simulation:
 
     def _schedule(self, st: RankState, t: float) -> None:
         st.version += 1
-        end = t + st.remaining * (self.stretch if st.busy else 1.0)
-        self._push(end, st, st.version)
+        st.stretched = self.stretch if st.busy else 1.0
+        st.factor = st.stretched * (self.cores.factor(st.rank) if self.cores else 1.0)
+        self._push(t + st.remaining * st.factor, st, st.version)
 
     def _settle(self, st: RankState, t: float) -> None:
         """Bring the current Compute's remaining work up to time t at the rate it ran at."""
         if st.remaining is None:
             return
         elapsed = t - st.t_last
-        work = elapsed / self.stretch if st.busy else elapsed
-        st.remaining -= work
-        st.slow += elapsed - work
+        st.remaining -= elapsed / st.factor
+        st.slow += elapsed - elapsed / st.stretched  # the overlap's part of the time
         st.t_last = t
+
+    def _reshare(self, st: RankState, t: float, delta: int) -> None:
+        """`st` starts (+1) or stops (-1) computing: its node's other computing ranks go on at
+        their new share of the cores from t."""
+        if self.cores is None:
+            return
+        peers = [p for p in self.ranks.values() if p is not st and p.remaining is not None
+                 and self.cores.same_node(p.rank, st.rank)]
+        for p in peers:
+            self._settle(p, t)
+        self.cores.computing[self.cores.node_of[st.rank]] += delta
+        for p in peers:
+            self._schedule(p, t)
 
     def _set_busy(self, rank: int, delta: int, t: float) -> None:
         st = self.ranks[rank]
@@ -172,6 +188,7 @@ class _Simulation:
         self._settle(st, t)
         e, start = st.current
         st.remaining = st.current = None
+        self._reshare(st, t, -1)
         st.phases[e.phase if e.phase in st.phases else "other"] += t - start
         label = e.phase if e.block is None else f"{e.phase} b{e.block}"
         self.spans.append((st.rank, "compute", f"{label} m{e.micro}", start, t))

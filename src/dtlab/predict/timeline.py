@@ -58,7 +58,7 @@ class Call:
 class RankState:
     __slots__ = ("rank", "events", "pos", "ids", "counts", "busy", "remaining", "t_last",
                  "version", "current", "blocked", "block_t", "draining", "outstanding", "done_t",
-                 "phases", "bubble", "exposed", "comm", "slow")
+                 "phases", "bubble", "exposed", "comm", "slow", "factor", "stretched")
 
     def __init__(self, rank: int, trace: Trace) -> None:
         self.rank, self.events, self.pos = rank, trace.events, 0
@@ -75,5 +75,7 @@ class RankState:
         self.done_t: float | None = None
         self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.bubble = self.slow = 0.0
+        self.factor = self.stretched = 1.0  # how much slower than alone it computes now, and the
+        # overlap's part of that (simulate.py's _schedule)
         self.exposed: dict[str, float] = defaultdict(float)
         self.comm: dict[str, float] = defaultdict(float)

@@ -23,9 +23,12 @@ every op's tensor inputs and outputs, an upper bound of what a roofline needs (n
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import ctypes
+import os
+import statistics
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,154 +41,9 @@ from dtlab.errors import ConfigError
 from dtlab.predict.counting import CountingMode
 from dtlab.predict.events import Compute, Event, Issue, Trace
 from dtlab.predict.fake_host import fake_reducers, host_mode, on_host
+from dtlab.predict.places import Places, stepper
 from dtlab.predict.record import BACKEND, recording_group
 from dtlab.predict.recorder import RECORDER
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    from torch.utils._pytree import tree_flatten
-
-    for t in tree_flatten(value)[0]:
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            return t
-    return None
-
-
-class Places:
-    """Hooks that move the recorder as the step goes through the blocks."""
-
-    def __init__(self) -> None:
-        self.tasks: set[int] = set()
-
-    def backward_end(self) -> None:
-        """Once per backward pass: at its end, DDP's bucket futures are needed."""
-        task = torch._C._current_graph_task_id()
-        if task == -1 or task in self.tasks:
-            return
-        self.tasks.add(task)
-
-        def ended() -> None:
-            RECORDER.wait_futures()
-            RECORDER.at("backward", None)
-        torch.autograd.Variable._execution_engine.queue_callback(ended)
-
-    def backward_of(self, i: int | None) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
-            if RECORDER.on:
-                self.backward_end()
-                RECORDER.at("backward", i)
-        return hook
-
-    def block_done(self, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
-            if RECORDER.on and RECORDER.block == i:
-                RECORDER.at("backward", None)
-        return hook
-
-    def watch(self, blocks: list[nn.Module], recomputed: list[int]) -> None:
-        for i, block in enumerate(blocks):
-            block.register_forward_pre_hook(partial(self._pre, i), with_kwargs=True)
-            block.register_forward_hook(partial(self._post, i))
-            if i in recomputed and isinstance(block.forward, partial):  # see activation_checkpoint
-                p = block.forward
-                block.forward = partial(p.func, self._recompute(i, p.args[0]), *p.args[1:],
-                                        **p.keywords)
-
-    def _pre(self, i: int, _: nn.Module, args: Any, kwargs: Any) -> None:
-        if not RECORDER.on:
-            return
-        RECORDER.at("recompute" if _in_backward() else "forward", i)
-        x = _first_tensor((args, kwargs))
-        if x is not None and not _in_backward():
-            x.register_hook(self.block_done(i))
-
-    def _post(self, i: int, _: nn.Module, __: Any, out: Any) -> None:
-        if not RECORDER.on:
-            return
-        if _in_backward():
-            RECORDER.at("backward", i)
-            return
-        RECORDER.at("forward", None)
-        y = _first_tensor(out)
-        if y is not None:
-            y.register_hook(self.backward_of(i))
-
-    def _recompute(self, i: int, forward: Callable[..., Any]) -> Callable[..., Any]:
-        def marked(*args: Any, **kwargs: Any) -> Any:
-            if not (RECORDER.on and _in_backward()):
-                return forward(*args, **kwargs)
-            RECORDER.at("recompute", i)
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                RECORDER.at("backward", i)
-        return marked
-
-
-class _NoSchedule:
-    def step(self) -> None:
-        pass
-
-
-def _stepper(cfg: Config, engine: Any, places: Places) -> Any:
-    """dtlab's Stepper over `engine`, its calls marking the phases; values are not judged."""
-    from dtlab.run.step import Stepper
-
-    class Tracing(Stepper):
-        def finite(self, norm: torch.Tensor, step_loss: torch.Tensor) -> bool:
-            return True
-
-    micro = [0]
-    zero_grad, micro_step, grad_norm, step = (engine.zero_grad, engine.micro_step,
-                                              engine.grad_norm, engine.step)
-
-    def traced_zero_grad() -> None:
-        micro[0] = 0
-        RECORDER.at("other", None, 0)
-        zero_grad()
-
-    def traced_micro_step(x: Any, y: Any, loss_hook: Any, sync: bool) -> Any:
-        RECORDER.at("forward", None, micro[0])
-
-        def hooked(loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            report, root = loss_hook(loss)
-            if root.requires_grad and RECORDER.on:
-                root.register_hook(places.backward_of(None))
-            return report, root
-        try:
-            return micro_step(x, y, hooked, sync)
-        finally:
-            RECORDER.wait_futures()
-            micro[0] += 1
-
-    def traced_grad_norm(clip: float) -> Any:
-        RECORDER.at("optimizer", None)
-        return grad_norm(clip)
-
-    def traced_step() -> None:
-        RECORDER.at("optimizer", None)
-        step()
-
-    engine.zero_grad, engine.micro_step = traced_zero_grad, traced_micro_step
-    engine.grad_norm, engine.step = traced_grad_norm, traced_step
-    if hasattr(engine, "schedule"):  # pipelines: the schedule's microbatch
-        per = engine.pp.microbatches
-        for stage in engine.pp.stages:
-            for name in ("forward_one_chunk", "backward_one_chunk"):
-                setattr(stage, name, _chunked(getattr(stage, name), micro, per))
-    return Tracing(cfg, engine, _NoSchedule())
-
-
-def _chunked(fn: Callable[..., Any], micro: list[int], per: int) -> Callable[..., Any]:
-    def chunk(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        RECORDER.at(RECORDER.phase if RECORDER.phase != "other" else "forward", RECORDER.block,
-                    micro[0] * per + chunk_id)
-        return fn(chunk_id, *args, **kwargs)
-    return chunk
 
 
 @contextmanager
@@ -194,10 +52,32 @@ def _threads(n: int) -> Any:
     torch.set_num_threads(max(1, n))
     torch.set_flush_denormal(True)  # uninitialised memory (meta-built models) holds denormals
     try:
-        yield
+        with _steady_heap():
+            yield
     finally:
         torch.set_flush_denormal(False)
         torch.set_num_threads(before)
+
+
+@contextmanager
+def _steady_heap() -> Any:
+    """glibc keeps the memory freed at the top of its heap, as in a long training run.
+
+    Its default hands that memory back to the OS after each step of a short trace, and every
+    step then faults its pages in again: measured here, the CNN of configs/quick.yaml timed at
+    15-16 ms a step that a `dtlab train` process runs in 12.2 ms, and 11.6-12.1 ms with the heap
+    kept (docs/prediction.md). Elsewhere (another libc, another OS) nothing changes."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        yield
+        return
+    mallopt(M_TRIM_THRESHOLD, 1 << 30)
+    try:
+        yield
+    finally:
+        mallopt(M_TRIM_THRESHOLD, 128 << 10)  # glibc's default
 
 
 def _signature(events: list[Event]) -> list[tuple[Any, ...]]:
@@ -206,6 +86,8 @@ def _signature(events: list[Event]) -> list[tuple[Any, ...]]:
             ("Wait", e.id) for e in events]
 
 
+M_TRIM_THRESHOLD = -1  # mallopt's parameter number (malloc.h)
+TIMED_STEPS = int(os.environ.get("DTLAB_TIMED_STEPS", "3"))  # each stretch: the median
 EMPTY_S = 20e-6  # a stretch without ops shorter than this is the tracer's own bookkeeping
 
 
@@ -215,13 +97,14 @@ def _kept(events: list[Event]) -> list[Event]:
             or (e.seconds or 0.0) >= EMPTY_S]
 
 
-def _timed_onto(counted: list[Event], timed: list[Event]) -> list[Event] | None:
-    """The counted step's events with the timed step's seconds (None: the two differ)."""
-    if _signature(counted) != _signature(timed):
+def _timed_onto(counted: list[Event], timed: list[list[Event]]) -> list[Event] | None:
+    """The counted step's events with each stretch's median seconds over the timed steps (None:
+    a timed step's events differ from the counted one's)."""
+    if any(_signature(counted) != _signature(t) for t in timed):
         return None
-    return [Compute(c.phase, c.block, t.seconds, c.flops, c.bytes, c.micro)
-            if isinstance(c, Compute) and isinstance(t, Compute) else c
-            for c, t in zip(counted, timed, strict=True)]
+    return [Compute(c.phase, c.block, statistics.median(t[i].seconds for t in timed), c.flops,
+                    c.bytes, c.micro) if isinstance(c, Compute) else c
+            for i, c in enumerate(counted)]
 
 
 def _build(cfg: Config, device: torch.device) -> nn.Module:
@@ -236,9 +119,25 @@ def _build(cfg: Config, device: torch.device) -> nn.Module:
     return build_model(cfg.model, spec_for(cfg), cfg.train.lora)
 
 
-def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: str = "meta",
-               threads: int = 1, warmup: int = 1) -> Trace:
-    """`rank`'s events of one step of `cfg`'s strategy at `world` ranks (module docstring)."""
+@dataclass
+class _Rank:
+    """One rank's step, built in this process under the recording group."""
+
+    strategy: Any
+    model: nn.Module
+    optimizer: Any
+    engine: Any
+    stepper: Any
+    batches: list[Any]
+    sync: Callable[[], None]
+    n_params: int
+
+
+@contextmanager
+def _rank_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: str,
+               threads: int) -> Iterator[_Rank]:
+    """`rank`'s model, wrapped by its strategy at `world` ranks, and its step over one batch per
+    micro step; ConfigError where the strategy cannot take that world or rank."""
     from dtlab.distributed import DistContext, DistEnv
     from dtlab.estimate.measure import batch
     from dtlab.levers import activation_checkpoint
@@ -267,9 +166,30 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
         places.watch(model.blocks(), recomputed)
         model, optimizer = strategy.setup(model)
         engine = strategy.step_engine(model, model, optimizer)
-        stepper = _stepper(cfg, engine, places)
-        batches = [batch(spec, micro, dev, seed=i) for i in range(cfg.train.grad_accum_steps)]
-        sync = ctx.synchronize
+        yield _Rank(strategy, model, optimizer, engine, stepper(cfg, engine, places),
+                    [batch(spec, micro, dev, seed=i) for i in range(cfg.train.grad_accum_steps)],
+                    ctx.synchronize, n_params)
+
+
+def run_steps(cfg: Config, world: int, rank: int, ranks_per_node: int, threads: int,
+              warm: Callable[[], None], stop: Callable[[], bool]) -> None:
+    """`rank`'s steps on this CPU, untraced, until `stop()`; `warm()` after the first two: the
+    load a node's other ranks put on the cores and memory beside a traced rank (corun.py)."""
+    with _rank_step(cfg, world, rank, ranks_per_node, "cpu", threads) as r:
+        for _ in range(2):
+            r.stepper(r.batches)
+        warm()
+        while not stop():
+            r.stepper(r.batches)
+
+
+def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: str = "meta",
+               threads: int = 1, warmup: int = 1) -> Trace:
+    """`rank`'s events of one step of `cfg`'s strategy at `world` ranks (module docstring)."""
+    with _rank_step(cfg, world, rank, ranks_per_node, device, threads) as r:
+        strategy, model, optimizer, engine = r.strategy, r.model, r.optimizer, r.engine
+        stepper, batches, sync, n_params = r.stepper, r.batches, r.sync, r.n_params
+        micro = check_world(cfg, world, ranks_per_node)
         if device == "meta":  # nothing to warm up but DDP's buckets (`fake_reducers`)
             rebuilds = fake_reducers(model, *getattr(strategy, "parts", ()))
             if rebuilds:  # the forwards and backwards give the order (no optimizer step)
@@ -291,13 +211,16 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
             notes.append(f"{alone} collective(s) over a group of one rank, which move nothing, "
                          "left out")
         if device != "meta":
-            RECORDER.start(timed=True, sync=sync)
-            stepper(batches)
-            RECORDER.at("other", None)
-            RECORDER.wait_all()
-            merged = _timed_onto(events, RECORDER.stop())
+            timed = []
+            for _ in range(TIMED_STEPS):
+                RECORDER.start(timed=True, sync=sync)
+                stepper(batches)
+                RECORDER.at("other", None)
+                RECORDER.wait_all()
+                timed.append(RECORDER.stop())
+            merged = _timed_onto(events, timed)
             if merged is None:
-                notes.append("the timed step's events differ from the counted one's: no seconds")
+                notes.append("the timed steps' events differ from the counted one's: no seconds")
             else:
                 events = merged
         events = _kept(events)

@@ -1,0 +1,138 @@
+"""What does a collective cost inside a step, beyond what it costs alone? The cluster files'
+`sync_s` (dtlab predict adds it to every collective on a host whose ranks share its cores).
+
+    python benchmarks/sync_cost.py [--world 2] [--repeats 60] [--n 256] [--matmuls 6]
+                                   [--sizes 4K,1M] [--op all_gather] [--json FILE]
+
+`--world` gloo ranks on this machine (threads per rank: the cores over the ranks, at least 1, as
+dtlab gives them). Per size S, three loops of `--repeats` iterations each, timed as a whole:
+  compute       a block of `--matmuls` float32 n x n multiplications (every rank at once)
+  collective    the op on S bytes, back to back (what `dtlab comm` measures)
+  step          the block, then the op (blocking): compute and communication as a step has them
+sync = step - compute - collective, per iteration: what a collective costs once the ranks come
+to it from their own compute (their arrival skew, the OS waking the waiting threads, caches
+turned over by the compute), which the `dtlab comm` fit, measured back to back, does not see.
+The median over the ranks of each loop's per-iteration time; the three loops alternate
+`--rounds` times so that drift in the machine's load falls on all three.
+
+Run it on a quiet machine. On a GPU the question is another (NCCL kernels queue behind the
+compute on their own stream): not measured there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20}
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    threads = max(1, len(os.sched_getaffinity(0)) // world)
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    a, b = torch.randn(args.n, args.n), torch.randn(args.n, args.n)
+
+    def block() -> None:
+        for _ in range(args.matmuls):
+            a @ b
+
+    result: dict[str, dict[str, list[float]]] = {}
+    for size in args.sizes:
+        shard = torch.ones(max(1, size // 4 // world))
+        full = torch.empty(shard.numel() * world)
+
+        def op(full=full, shard=shard) -> None:  # noqa: ANN001 - this size's tensors
+            if args.op == "all_gather":
+                dist.all_gather_into_tensor(full, shard)
+            else:
+                dist.all_reduce(full)
+
+        def loop(body) -> float:  # noqa: ANN001 - a function of no arguments
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.repeats):
+                body()
+            return (time.perf_counter() - t0) / args.repeats
+
+        for _ in range(3):  # warm-up: allocator, gloo's connections, the matmul's code paths
+            block()
+            op()
+        samples: dict[str, list[float]] = {"compute": [], "collective": [], "step": []}
+        for _ in range(args.rounds):
+            samples["compute"].append(loop(block))
+            samples["collective"].append(loop(op))
+            samples["step"].append(loop(lambda: (block(), op())))
+        result[str(size)] = samples
+    Path(f"{out}.{rank}").write_text(json.dumps({"rank": rank, "threads": threads,
+                                                 "samples": result}))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=60, help="iterations per timed loop")
+    p.add_argument("--rounds", type=int, default=5, help="times the three loops alternate")
+    p.add_argument("--n", type=int, default=256, help="matrix size of the compute block")
+    p.add_argument("--matmuls", type=int, default=6, help="matrix multiplications per block")
+    p.add_argument("--sizes", type=lambda s: [_size(x) for x in s.split(",")],
+                   default=[4 << 10, 1 << 20], help="collective sizes (nccl-tests bytes)")
+    p.add_argument("--op", choices=["all_gather", "all_reduce"], default="all_gather")
+    p.add_argument("--json", help="write the samples and the result here")
+    args = p.parse_args()
+
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "rank")
+        mp.spawn(rank_main, args=(args.world, _free_port(), args, out), nprocs=args.world,
+                 join=True)
+        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(args.world)]
+    load_after = os.getloadavg()
+    rows = []
+    for size in args.sizes:
+        med = {k: statistics.median(statistics.median(r["samples"][str(size)][k]) for r in ranks)
+               for k in ("compute", "collective", "step")}
+        sync = med["step"] - med["compute"] - med["collective"]
+        rows.append({"size_bytes": size, **{f"{k}_s": v for k, v in med.items()}, "sync_s": sync})
+        print(f"{args.op} {size:>9} B on {args.world} ranks ({ranks[0]['threads']} thread(s) "
+              f"each): compute {med['compute'] * 1e3:.3f} ms, collective alone "
+              f"{med['collective'] * 1e3:.3f} ms, step {med['step'] * 1e3:.3f} ms -> sync "
+              f"{sync * 1e3:+.3f} ms per collective")
+    sync_s = statistics.median(r["sync_s"] for r in rows)
+    print(f"sync_s: {sync_s * 1e6:.0f} us (median over the sizes; torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f} before, "
+          f"{load_after[0]:.2f} after)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"sync_s": sync_s, "rows": rows, "ranks": ranks, "torch": torch.__version__,
+             "load_average": [load_before[0], load_after[0]],
+             "args": {k: v for k, v in vars(args).items() if k != "json"}}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

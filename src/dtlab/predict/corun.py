@@ -1,0 +1,93 @@
+"""The node's other ranks, running beside a traced one: compute is timed under the load a run puts
+on the host, not alone.
+
+Ranks of a CPU host that each have cores of their own still share its memory bandwidth and
+caches: measured here, the GPT of configs/tp_gpt.yaml steps in 130 ms alone on one core and in
+143-144 ms while a second process runs the same steps on the other core (+10%). So while the
+traced rank runs, `beside` keeps as many other processes stepping the same rank's model as the
+node has cores for beyond it (min(ranks per node, cores // threads) - 1); the sharing of cores
+beyond that, when ranks outnumber them, is the simulator's (cores.py), not measured twice.
+
+Each helper is a separate process (spawned: nothing of this process's state is inherited) that
+builds the step with trace.py's own code under the fake process group, runs two warm-up steps,
+says so, and steps until told to stop. Their CPU time is returned (`cpu_s`), so that the
+machine-load check does not count them as other processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from dtlab.config import Config
+from dtlab.errors import DtlabError
+
+READY_S = 300.0  # a helper that has not warmed up by then is broken, not slow
+
+
+def helpers_beside(ranks_per_node: int, cores: int | None, threads: int) -> int:
+    """How many processes run beside a traced rank of a host with `cores` (None: a device per
+    rank, none)."""
+    if not cores:
+        return 0
+    return max(0, min(ranks_per_node, cores // max(1, threads)) - 1)
+
+
+def _helper(cfg: Config, world: int, rank: int, ranks_per_node: int, threads: int,
+            warm: Any, stop: Any, cpu: Any) -> None:
+    from dtlab.predict.trace import run_steps
+
+    started = time.process_time()
+    try:
+        run_steps(cfg, world, rank, ranks_per_node, threads, warm.set, stop.is_set)
+    finally:
+        cpu.value = time.process_time() - started
+
+
+@dataclass
+class Beside:
+    """The helpers' CPU seconds, known once the `beside` block has ended."""
+
+    count: int
+    cpu_s: float = 0.0
+
+
+@contextmanager
+def beside(cfg: Config, world: int, rank: int, ranks_per_node: int, threads: int,
+           count: int) -> Iterator[Beside]:
+    """`count` processes stepping `rank`'s model while the block runs (module docstring)."""
+    out = Beside(count)
+    if count <= 0:
+        yield out
+        return
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    helpers = []
+    try:
+        for _ in range(count):
+            warm, cpu = ctx.Event(), ctx.Value("d", 0.0)
+            p = ctx.Process(target=_helper, args=(cfg, world, rank, ranks_per_node, threads,
+                                                  warm, stop, cpu), daemon=True)
+            p.start()
+            helpers.append((p, warm, cpu))
+        deadline = time.monotonic() + READY_S
+        for p, warm, _ in helpers:
+            while not warm.wait(0.2):
+                if not p.is_alive() or time.monotonic() > deadline:
+                    raise DtlabError(f"predict: a process stepping rank {rank}'s model beside the "
+                                     f"traced one {'exited' if not p.is_alive() else 'hung'} "
+                                     "before its warm-up ended; fix: run the same config with "
+                                     "dtlab train to see its error")
+        yield out
+    finally:
+        stop.set()
+        for p, _, cpu in helpers:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+            out.cpu_s += cpu.value
