@@ -163,6 +163,20 @@ def sample(source: Path, prompt: str, tokens: int, temperature: float, top_k: in
     """Write `samples` texts to `out` as they are generated (separated by ---); returns the
     tokens generated and the seconds they took."""
     cfg, model = load(source)
+    tok, ids = tokenizer_and_prompt(cfg, prompt, tokens)
+    started = time.perf_counter()
+    for i in range(samples):
+        new = generate(model, ids, tokens, cfg.model.block_size, temperature, top_k, seed + i)
+        write_sample(out, i, prompt, tok, ids, new)
+    out.write("\n")
+    out.flush()
+    return samples * tokens, time.perf_counter() - started
+
+
+def tokenizer_and_prompt(cfg: Any, prompt: str,
+                         tokens: int) -> tuple[tokenizers.Tokenizer | None, list[int]]:
+    """The run's tokenizer (None: synthetic tokens, the prompt is ids) and the prompt's ids;
+    --tokens checked against the model's context."""
     tok = tokenizers.from_meta(Path(cfg.data.dir)) if cfg.data.name == "tokens" else None
     if cfg.data.name == "tokens" and tok is None:  # else its prompt would be taken as token ids
         raise DtlabError(f"the run trained on the token data in '{cfg.data.dir}', whose meta.json "
@@ -170,15 +184,16 @@ def sample(source: Path, prompt: str, tokens: int, temperature: float, top_k: in
                          "back there, or prepare it again there with dtlab prepare")
     ids = prompt_ids(cfg, tok, prompt)
     check_tokens(tokens, len(ids), cfg.model.block_size)
-    started = time.perf_counter()
-    for i in range(samples):
-        if i:
-            out.write("\n---\n")
-        out.write(prompt if tok is not None else " ".join(map(str, ids)))
-        new = generate(model, ids, tokens, cfg.model.block_size, temperature, top_k, seed + i)
-        for piece in text_pieces(tok, new) if tok is not None else (f" {t}" for t in new):
-            out.write(piece)
-            out.flush()
-    out.write("\n")
-    out.flush()
-    return samples * tokens, time.perf_counter() - started
+    return tok, ids
+
+
+def write_sample(out: TextIO, index: int, prompt: str, tok: tokenizers.Tokenizer | None,
+                 ids: list[int], new: Iterable[int]) -> None:
+    """Sample number `index` (separated from the one before by ---): the prompt, then the new
+    ids as text (or as ids without a tokenizer), written as they arrive."""
+    if index:
+        out.write("\n---\n")
+    out.write(prompt if tok is not None else " ".join(map(str, ids)))
+    for piece in text_pieces(tok, new) if tok is not None else (f" {t}" for t in new):
+        out.write(piece)
+        out.flush()
