@@ -132,7 +132,7 @@ def _mib(values: list[float]) -> str:
 
 def generate_on_ranks(args: argparse.Namespace, ctx: Any) -> None:
     cfg, model = load(Path(args.source))
-    tok, ids = tokenizer_and_prompt(cfg, args.prompt, args.tokens)
+    tok, ids = tokenizer_and_prompt(cfg, args.prompt, args.tokens, note=False)  # said once
     block = cfg.model.block_size
     forward, weights = sharded.shard(model, args.inference, ctx)
 

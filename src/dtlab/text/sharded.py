@@ -73,13 +73,10 @@ def check(cfg: Any, inference: str, nproc: int) -> None:
             raise DtlabError(f"--nproc-per-node {nproc} is more than the "
                              f"{torch.cuda.device_count()} visible GPU(s) (one rank per GPU); "
                              f"fix: --nproc-per-node {torch.cuda.device_count()} or fewer")
-    else:
-        from dtlab.distributed import cpus_available
-
-        if nproc > cpus_available():
-            raise DtlabError(f"--nproc-per-node {nproc} is more than the {cpus_available()} "
-                             "CPU core(s) this process may use (each rank needs one); fix: "
-                             f"--nproc-per-node {cpus_available()} or fewer")
+    elif nproc > (cores := os.cpu_count() or 1):  # more ranks than cores only take turns
+        raise DtlabError(f"--nproc-per-node {nproc} is more than this machine's {cores} CPU "
+                         f"core(s) (each rank computes on its own); fix: --nproc-per-node "
+                         f"{cores} or fewer")
     name = cfg.model.name
     if inference == "deepspeed" and name == "gpt":
         raise DtlabError("--inference deepspeed cannot split dtlab's GPT (DeepSpeed's AutoTP "
@@ -90,10 +87,12 @@ def check(cfg: Any, inference: str, nproc: int) -> None:
                          "fix: sample in one process (drop --nproc-per-node), or use a "
                          "Llama-family model (Llama, Mistral, Qwen2) or dtlab's GPT with "
                          "--inference tp")
-    for what, value in _split_sizes(cfg):
+    sizes = _split_sizes(cfg)
+    for what, value in sizes:
         if value % nproc:
-            divisors = [d for d in range(2, nproc) if value % d == 0]
-            fix = f"--nproc-per-node {divisors[-1]}" if divisors else "sample in one process"
+            fits = [d for d in range(2, nproc) if all(v % d == 0 for _, v in sizes)]
+            fix = f"--nproc-per-node {fits[-1]}" if fits else "sample in one process (drop " \
+                "--nproc-per-node)"
             raise DtlabError(f"{what}={value} is not divisible by --nproc-per-node {nproc} "
                              f"(heads, MLP width, vocabulary and context are split over the "
                              f"ranks); fix: {fix}")
