@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import ranks
-from conftest import dtlab, fast_launches
+from conftest import dtlab, fast_launches, in_process
 
 from dtlab.text import sample_ranks
 
@@ -31,9 +31,9 @@ GPT = ["model.name=gpt", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
        "model.block_size=32", "model.vocab_size=128"]
 # an odd prompt length: sequence parallelism pads the context to a multiple of the ranks
 ARGS = ["--prompt", "5 17 3", "--tokens", "6", "--seed", "7", "--samples", "2"]
-VERIFY = re.compile(r"^dtlab: verify: 2-rank (\w+) logits within (\S+) of one process's "
-                    r"\(max abs difference over 6 greedy steps; tolerance 1e-05\); greedy "
-                    r"tokens: 6 of 6 identical$", re.M)
+VERIFY = re.compile(r"^dtlab: verify: 2-rank (\w+) logits differ from one process's by at most "
+                    r"(\S+) \(over 6 greedy steps; tolerance 1e-05\); greedy tokens: 6 of 6 "
+                    r"identical$", re.M)
 
 
 def saved_run(run_dir: Path, overrides: list[str]) -> Path:
@@ -110,7 +110,7 @@ def refused(*args: str) -> str:
 
 
 def test_what_cannot_be_split_is_one_line(runs: dict[str, Path], tmp_path: Path) -> None:
-    """DeepSpeed for dtlab's GPT, a model whose sizes the ranks cannot split, a non-Llama model, more ranks than cores, --inference or --verify on one process: one line each, exit 2, before any rank starts."""
+    """DeepSpeed for dtlab's GPT, a model whose sizes the ranks cannot split, a non-Llama model, more ranks than cores, a missing GPU, --inference, --device or --verify on one process: one line each, exit 2, before any rank starts."""
     gpt, llama = str(runs["gpt"]), str(runs["llama"])
     assert refused(gpt, "--nproc-per-node", "2", "--inference", "deepspeed") == (
         "dtlab: error: --inference deepspeed cannot split dtlab's GPT (DeepSpeed's AutoTP refuses "
@@ -137,9 +137,36 @@ def test_what_cannot_be_split_is_one_line(runs: dict[str, Path], tmp_path: Path)
     assert refused(llama, "--inference", "tp") == (
         "dtlab: error: --inference tp splits the model over ranks, and --nproc-per-node is 1; "
         "fix: --nproc-per-node 2 (or more), or drop --inference to sample in one process")
+    assert refused(llama, "--nproc-per-node", "2", "--device", "cuda") == (  # no GPU in tests
+        "dtlab: error: --device cuda, but no CUDA device is visible; fix: --device cpu")
+    assert refused(llama, "--device", "cpu") == (
+        "dtlab: error: --device cpu chooses where split ranks compute, and --nproc-per-node is 1 "
+        "(one process samples on the CPU); fix: add --nproc-per-node 2, or drop --device")
     assert refused(llama, "--verify") == (
         "dtlab: error: --verify compares ranks that split the model with one process, and "
         "--nproc-per-node is 1; fix: add --nproc-per-node 2, or drop --verify")
     assert refused(llama, "--nproc-per-node", "2", "--prompt", "999") == (
         "dtlab: error: --prompt holds token id 999, beyond the model's vocabulary of 128; fix: "
         "use ids below it")
+
+
+def test_verify_fails_in_one_line(runs: dict[str, Path], tmp_path: Path) -> None:
+    """--verify exits 1 with one line giving both findings when the ranks' logits are off by more than 1e-5 or a greedy token differs."""
+    from safetensors.torch import save_file
+
+    from dtlab.text.sample import load
+
+    _, model = load(runs["gpt"])
+    ids = [5, 17, 3]
+    tokens, logits = sample_ranks.greedy(model, ids, 4, 32)
+    cases = [(tokens, logits, "dtlab: verify:", "0.0e+00", 4),
+             (tokens, logits + 2e-5, "dtlab: error: --verify failed:", "2.0e-05", 4),
+             ((tokens + 1) % 128, logits, "dtlab: error: --verify failed:", "0.0e+00", 0)]
+    for i, (ranks_tokens, ranks_logits, head, diff, same) in enumerate(cases):
+        file = tmp_path / f"greedy{i}.safetensors"
+        save_file({"tokens": ranks_tokens, "logits": ranks_logits.contiguous()}, str(file))
+        proc = in_process(lambda f=file: sample_ranks.verify(model, ids, 4, 32, f, "2-rank tp"))
+        assert proc.returncode == (0 if i == 0 else 1)
+        assert proc.stderr == (
+            f"{head} 2-rank tp logits differ from one process's by at most {diff} (over 4 "
+            f"greedy steps; tolerance 1e-05); greedy tokens: {same} of 4 identical\n"), proc.stderr

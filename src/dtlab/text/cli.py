@@ -72,6 +72,9 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
                    help="how N ranks split the model: tp (torch tensor parallelism: dtlab's GPT, "
                    "Llama-family hf models) or deepspeed (DeepSpeed inference, AutoTP: "
                    "Llama-family hf models); default with N > 1: tp")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="with N > 1: where the ranks compute (auto: one GPU each when there are "
+                   "GPUs, with NCCL; else the CPU, with gloo)")
     p.add_argument("--verify", action="store_true",
                    help="with N > 1: decode --tokens tokens greedily on the ranks and in one "
                    "process, compare the logits (tolerance 1e-5) and tokens; exit 1 if they differ")
@@ -85,6 +88,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
     if args.verify and args.nproc_per_node == 1:
         raise DtlabError("--verify compares ranks that split the model with one process, and "
                          "--nproc-per-node is 1; fix: add --nproc-per-node 2, or drop --verify")
+    if args.device != "auto" and args.nproc_per_node == 1:
+        raise DtlabError(f"--device {args.device} chooses where split ranks compute, and "
+                         "--nproc-per-node is 1 (one process samples on the CPU); fix: add "
+                         "--nproc-per-node 2, or drop --device")
     if args.nproc_per_node > 1 or args.inference:
         from dtlab.text.sample_ranks import sample_on_ranks
 

@@ -54,12 +54,12 @@ def sample_on_ranks(source: Path, args: argparse.Namespace) -> int:
     from dtlab.process.launch import launch
 
     cfg, model = load(source)
-    sharded.check(cfg, args.inference, args.nproc_per_node)
+    sharded.check(cfg, args.inference, args.nproc_per_node, args.device)
     _, ids = tokenizer_and_prompt(cfg, args.prompt, args.tokens)
     worker_args = [str(source.resolve()), f"--prompt={args.prompt}", f"--tokens={args.tokens}",
                    f"--temperature={args.temperature}", f"--top-k={args.top_k}",
                    f"--seed={args.seed}", f"--samples={args.samples}",
-                   f"--inference={args.inference}"]
+                   f"--inference={args.inference}", f"--device={args.device}"]
     with tempfile.TemporaryDirectory(prefix="dtlab-sample-") as tmp:
         greedy_file = Path(tmp) / "greedy.safetensors"
         if args.verify:
@@ -92,9 +92,9 @@ def verify(model: torch.nn.Module, ids: list[int], tokens: int, block_size: int,
     ref_tokens, ref_logits = greedy(model.eval(), ids, tokens, block_size)
     diff = float((ranks["logits"] - ref_logits).abs().max())
     same = int((ranks["tokens"] == ref_tokens).sum())
-    said = (f"{what} logits within {diff:.1e} of one process's (max abs difference over "
-            f"{tokens} greedy steps; tolerance {TOLERANCE:.0e}); greedy tokens: {same} of "
-            f"{tokens} identical")
+    said = (f"{what} logits differ from one process's by at most {diff:.1e} (over {tokens} "
+            f"greedy steps; tolerance {TOLERANCE:.0e}); greedy tokens: {same} of {tokens} "
+            "identical")
     if diff <= TOLERANCE and same == tokens:
         print(f"dtlab: verify: {said}", file=sys.stderr)
         return 0
@@ -184,13 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--samples", type=int, required=True)
     p.add_argument("--inference", choices=sharded.STRATEGIES, required=True)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--verify-file")
     args = p.parse_args(argv)
     is_main = detect_env().rank == 0
     with interrupt.handling():
         try:
             try:
-                with distributed(need_group=True) as ctx:
+                with distributed(args.device, need_group=True) as ctx:
                     generate_on_ranks(args, ctx)
             except RuntimeError:
                 if interrupt.requested():  # a peer stopped by the same signal ended a collective

@@ -61,18 +61,22 @@ def _split_sizes(cfg: Any) -> list[tuple[str, int]]:
     return [*sizes, ("model.block_size", m.block_size)]
 
 
-def check(cfg: Any, inference: str, nproc: int) -> None:
+def check(cfg: Any, inference: str, nproc: int, device: str = "auto") -> None:
     """Before any rank starts: the model/strategy pair, and whether N ranks can split it and fit
-    this machine; each problem is one line naming the fix."""
+    this machine (`device`: auto, cpu or cuda, as the ranks will pick it); each problem is one
+    line naming the fix."""
     if nproc < 2:
         raise DtlabError(f"--inference {inference} splits the model over ranks, and "
                          "--nproc-per-node is 1; fix: --nproc-per-node 2 (or more), or drop "
                          "--inference to sample in one process")
-    if torch.cuda.is_available():
-        if nproc > torch.cuda.device_count():
-            raise DtlabError(f"--nproc-per-node {nproc} is more than the "
-                             f"{torch.cuda.device_count()} visible GPU(s) (one rank per GPU); "
-                             f"fix: --nproc-per-node {torch.cuda.device_count()} or fewer")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DtlabError("--device cuda, but no CUDA device is visible; fix: --device cpu")
+    if device != "cpu" and torch.cuda.is_available():
+        if nproc > (gpus := torch.cuda.device_count()):
+            raise DtlabError(f"--nproc-per-node {nproc} is more than the {gpus} visible GPU(s) "
+                             "(one rank per GPU); fix: --nproc-per-node "
+                             f"{gpus}{' or fewer' if gpus > 1 else ''}, or --device cpu to "
+                             "split it over CPU cores")
     elif nproc > (cores := os.cpu_count() or 1):  # more ranks than cores only take turns
         raise DtlabError(f"--nproc-per-node {nproc} is more than this machine's {cores} CPU "
                          f"core(s) (each rank computes on its own); fix: --nproc-per-node "
