@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import os
 import resource
+import signal
 import sys
 import tempfile
 import time
@@ -44,6 +45,7 @@ from dtlab.process.interrupt import Interrupted
 from dtlab.text import sharded
 from dtlab.text.sample import generate, load, tokenizer_and_prompt, write_sample
 
+STOP_DEADLINE_S = 3.0  # the least time a stop waits for the token under way
 TOLERANCE = 1e-5  # largest absolute difference of fp32 logits --verify accepts
 MODULE = "dtlab.text.sample_ranks"
 
@@ -130,11 +132,33 @@ def _mib(values: list[float]) -> str:
     return ", ".join(f"{v / 2**20:.1f}" for v in values) + " MiB"
 
 
+def _stopping_together(forward: sharded.Forward, ctx: Any) -> sharded.Forward:
+    """`forward`, with the ranks' agreement to stop before each token (an all-reduce of the
+    largest stop signal any rank holds): a signal stops every rank at the same token, and a
+    rank that died is noticed by the others as a failed collective, so the launcher's SIGTERM
+    that follows is no stop of theirs to report (main). A token that does not come within 3 x
+    the longest one so far (a hang) is stopped anyway (interrupt.deferred)."""
+    longest = 0.0
+
+    def voted(idx: torch.Tensor) -> torch.Tensor:
+        nonlocal longest
+        if signum := ctx.agree_stop(interrupt.requested() or 0):
+            raise Interrupted(signum)
+        start = time.perf_counter()
+        logits = forward(idx)
+        longest = max(longest, time.perf_counter() - start)
+        interrupt.set_deadline(max(STOP_DEADLINE_S, 3 * longest))
+        return logits
+
+    return voted
+
+
 def generate_on_ranks(args: argparse.Namespace, ctx: Any) -> None:
     cfg, model = load(Path(args.source))
     tok, ids = tokenizer_and_prompt(cfg, args.prompt, args.tokens, note=False)  # said once
     block = cfg.model.block_size
-    forward, weights = sharded.shard(model, args.inference, ctx)
+    split, weights = sharded.shard(model, args.inference, ctx)
+    forward = _stopping_together(split, ctx)
 
     class Forward(torch.nn.Module):  # what generate() calls
         def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -142,7 +166,8 @@ def generate_on_ranks(args: argparse.Namespace, ctx: Any) -> None:
 
     first, decode_s, decoded = [], 0.0, 0
     # every rank generates (its shard takes part in each token); rank 0 writes the text
-    with contextlib.nullcontext(sys.stdout) if ctx.is_main else open(os.devnull, "w") as out:
+    with contextlib.nullcontext(sys.stdout) if ctx.is_main else open(os.devnull, "w") as out, \
+            interrupt.deferred(STOP_DEADLINE_S):
         for i in range(args.samples):
             times: list[float] = []
             new = generate(Forward(), ids, args.tokens, block, args.temperature, args.top_k,
@@ -155,7 +180,8 @@ def generate_on_ranks(args: argparse.Namespace, ctx: Any) -> None:
     peak, label = _peak_memory(ctx.device)
     per_rank = ctx.gather_floats([_weight_bytes(weights), peak])
     if args.verify_file:
-        tokens, logits = greedy(forward, ids, args.tokens, block)
+        with interrupt.deferred(STOP_DEADLINE_S):
+            tokens, logits = greedy(forward, ids, args.tokens, block)
         if ctx.is_main:
             from safetensors.torch import save_file
 
@@ -173,7 +199,7 @@ def generate_on_ranks(args: argparse.Namespace, ctx: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """A rank's entry point (python -m dtlab.text.sample_ranks), started by sample_on_ranks."""
-    from dtlab.distributed import detect_env, distributed
+    from dtlab.distributed import detect_env, distributed, is_comm_failure
 
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}")
     p.add_argument("source")
@@ -193,10 +219,13 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with distributed(args.device, need_group=True) as ctx:
                     generate_on_ranks(args, ctx)
-            except RuntimeError:
-                if interrupt.requested():  # a peer stopped by the same signal ended a collective
-                    raise Interrupted(interrupt.requested() or 0) from None
-                raise
+            except RuntimeError as e:
+                if not is_comm_failure(e):
+                    raise
+                # A peer stopped (a signal, or it failed, and the launcher names it): this rank
+                # stops as one the launcher stopped, quietly.
+                interrupt.mark_collateral()
+                raise Interrupted(interrupt.requested() or signal.SIGTERM, quiet=True) from None
         except DtlabError as e:
             print(f"dtlab: error: {e}", file=sys.stderr)
             return e.exit_code
