@@ -105,7 +105,8 @@ def check(cfg: Any, inference: str, nproc: int, device: str = "auto") -> None:
 def shard(model: nn.Module, inference: str, ctx: Any) -> tuple[Forward, nn.Module]:
     """`model` (full, on the CPU) split over ctx's ranks: its forward (see the module's doc), and
     the module holding this rank's weights."""
-    model = model.to(ctx.device)
+    # Split on the CPU: each moves a tensor to the device as it splits it (DTensor per tensor,
+    # DeepSpeed after AutoTP), so the device never holds the whole model.
     return (_tensor_parallel if inference == "tp" else _deepspeed_autotp)(model, ctx)
 
 
@@ -121,7 +122,7 @@ def _tensor_parallel(model: nn.Module, ctx: Any) -> tuple[Forward, nn.Module]:
     if plan.prepare is not None:
         plan.prepare(model)
     mesh = init_device_mesh(ctx.device.type, (n,), mesh_dim_names=("tp",))
-    model = parallelize_module(model, mesh, plan.styles)
+    model = parallelize_module(model, mesh, plan.styles).to(ctx.device)  # and what it left
 
     def forward(idx: torch.Tensor) -> torch.Tensor:
         # Sequence parallelism gives each rank 1/n of the positions: pad the context on the
