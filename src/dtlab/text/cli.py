@@ -65,6 +65,19 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
                    help="the generator's seed: the same command prints the same text")
     p.add_argument("--samples", type=integer(1, "--samples 3"), default=1, metavar="N",
                    help="independent samples (seeds S, S+1, ...)")
+    p.add_argument("--nproc-per-node", type=integer(1, "--nproc-per-node 2"), default=1,
+                   metavar="N", help="split the model over N ranks of this machine (one per GPU, "
+                   "else one per core; default 1: one process, no split)")
+    p.add_argument("--inference", choices=["tp", "deepspeed"], metavar="tp|deepspeed",
+                   help="how N ranks split the model: tp (torch tensor parallelism: dtlab's GPT, "
+                   "Llama-family hf models) or deepspeed (DeepSpeed inference, AutoTP: "
+                   "Llama-family hf models); default with N > 1: tp")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="with N > 1: where the ranks compute (auto: one GPU each when there are "
+                   "GPUs, with NCCL; else the CPU, with gloo)")
+    p.add_argument("--verify", action="store_true",
+                   help="with N > 1: decode --tokens tokens greedily on the ranks and in one "
+                   "process, compare the logits (tolerance 1e-5) and tokens; exit 1 if they differ")
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
@@ -72,6 +85,18 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     source = input_dir("RUN_OR_CHECKPOINT", args.source,
                        "pass a run directory or RUN_DIR/checkpoints/step_NNNNNN")
+    if args.verify and args.nproc_per_node == 1:
+        raise DtlabError("--verify compares ranks that split the model with one process, and "
+                         "--nproc-per-node is 1; fix: add --nproc-per-node 2, or drop --verify")
+    if args.device != "auto" and args.nproc_per_node == 1:
+        raise DtlabError(f"--device {args.device} chooses where split ranks compute, and "
+                         "--nproc-per-node is 1 (one process samples on the CPU); fix: add "
+                         "--nproc-per-node 2, or drop --device")
+    if args.nproc_per_node > 1 or args.inference:
+        from dtlab.text.sample_ranks import sample_on_ranks
+
+        args.inference = args.inference or "tp"
+        return sample_on_ranks(Path(source), args)
     tokens, seconds = sample(Path(source), args.prompt, args.tokens, args.temperature,
                              args.top_k, args.seed, args.samples, sys.stdout)
     print(f"dtlab: {tokens} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} "

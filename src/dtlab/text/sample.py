@@ -102,7 +102,7 @@ def prompt_ids(cfg: Any, tok: tokenizers.Tokenizer | None, prompt: str) -> list[
     return ids
 
 
-def check_tokens(tokens: int, prompt_len: int, block_size: int) -> None:
+def check_tokens(tokens: int, prompt_len: int, block_size: int, note: bool = True) -> None:
     """Refuse more than MAX_CONTEXTS of the model's context (block_size) up front; say it when
     the text outgrows the context (each token is then drawn from the last block_size only)."""
     bound = MAX_CONTEXTS * block_size
@@ -110,7 +110,7 @@ def check_tokens(tokens: int, prompt_len: int, block_size: int) -> None:
         raise DtlabError(f"--tokens {tokens} is more than {MAX_CONTEXTS} x the model's context of "
                          f"{block_size} tokens; fix: --tokens {bound} or fewer (beyond its context "
                          f"the model sees only the last {block_size} tokens)")
-    if prompt_len + tokens > block_size:
+    if note and prompt_len + tokens > block_size:
         print(f"dtlab: note: the prompt ({prompt_len}) and {tokens} new tokens outgrow the model's "
               f"context of {block_size}: each token is drawn from the last {block_size} (a sliding "
               "window)", file=sys.stderr, flush=True)
@@ -163,22 +163,37 @@ def sample(source: Path, prompt: str, tokens: int, temperature: float, top_k: in
     """Write `samples` texts to `out` as they are generated (separated by ---); returns the
     tokens generated and the seconds they took."""
     cfg, model = load(source)
+    tok, ids = tokenizer_and_prompt(cfg, prompt, tokens)
+    started = time.perf_counter()
+    for i in range(samples):
+        new = generate(model, ids, tokens, cfg.model.block_size, temperature, top_k, seed + i)
+        write_sample(out, i, prompt, tok, ids, new)
+    out.write("\n")
+    out.flush()
+    return samples * tokens, time.perf_counter() - started
+
+
+def tokenizer_and_prompt(cfg: Any, prompt: str, tokens: int,
+                         note: bool = True) -> tuple[tokenizers.Tokenizer | None, list[int]]:
+    """The run's tokenizer (None: synthetic tokens, the prompt is ids) and the prompt's ids;
+    --tokens checked against the model's context (`note`: say when the text outgrows it)."""
     tok = tokenizers.from_meta(Path(cfg.data.dir)) if cfg.data.name == "tokens" else None
     if cfg.data.name == "tokens" and tok is None:  # else its prompt would be taken as token ids
         raise DtlabError(f"the run trained on the token data in '{cfg.data.dir}', whose meta.json "
                          "(naming its tokenizer) is missing or unreadable; fix: put the data set "
                          "back there, or prepare it again there with dtlab prepare")
     ids = prompt_ids(cfg, tok, prompt)
-    check_tokens(tokens, len(ids), cfg.model.block_size)
-    started = time.perf_counter()
-    for i in range(samples):
-        if i:
-            out.write("\n---\n")
-        out.write(prompt if tok is not None else " ".join(map(str, ids)))
-        new = generate(model, ids, tokens, cfg.model.block_size, temperature, top_k, seed + i)
-        for piece in text_pieces(tok, new) if tok is not None else (f" {t}" for t in new):
-            out.write(piece)
-            out.flush()
-    out.write("\n")
-    out.flush()
-    return samples * tokens, time.perf_counter() - started
+    check_tokens(tokens, len(ids), cfg.model.block_size, note)
+    return tok, ids
+
+
+def write_sample(out: TextIO, index: int, prompt: str, tok: tokenizers.Tokenizer | None,
+                 ids: list[int], new: Iterable[int]) -> None:
+    """Sample number `index` (separated from the one before by ---): the prompt, then the new
+    ids as text (or as ids without a tokenizer), written as they arrive."""
+    if index:
+        out.write("\n---\n")
+    out.write(prompt if tok is not None else " ".join(map(str, ids)))
+    for piece in text_pieces(tok, new) if tok is not None else (f" {t}" for t in new):
+        out.write(piece)
+        out.flush()
