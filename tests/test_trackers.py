@@ -200,7 +200,7 @@ def test_tracker_failing_mid_run_warns_once_and_training_goes_on(
 
 
 def test_tracker_that_cannot_start_stops_the_run_in_one_line(tmp_path: Path) -> None:
-    """A tracker that cannot start (an MLflow store address no store answers) stops the run before its first step, in one line naming the setting."""
+    """A tracker that cannot start (an MLflow store address no store answers) stops the run before it writes anything, in one line naming the setting."""
     pytest.importorskip("mlflow")
     proc = dtlab("train", "--config", QUICK, *TINY, "run.trackers=[mlflow]", "run.mlflow.tracking_uri=nowhere://x",
                  f"run.dir={tmp_path / 'run'}", "run.progress=false")
@@ -208,5 +208,32 @@ def test_tracker_that_cannot_start_stops_the_run_in_one_line(tmp_path: Path) -> 
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("dtlab: error: tracker mlflow could not start (")
     assert "fix: check run.mlflow" in lines[0] and "Traceback" not in proc.stderr
-    assert not (tmp_path / "run" / "metrics.jsonl").read_text()  # no step ran
+    assert not (tmp_path / "run").exists()  # nothing written: run again once it is fixed
 
+
+
+def test_resumed_run_goes_on_in_the_same_mlflow_run(tmp_path: Path, empty_store: Path) -> None:
+    """A resumed run goes on in the MLflow run it began (one run, the loss of every step, finished), its id kept in RUN_DIR/trackers.json."""
+    pytest.importorskip("mlflow")
+    run_dir = tmp_path / "run"
+    store = store_in(run_dir, empty_store)
+    train(run_dir, *TINY, "train.max_steps=2", "train.checkpoint_every=2", "run.trackers=[mlflow]",
+          config=QUICK)
+    train(run_dir, *TINY, "train.checkpoint_every=2", "run.trackers=[mlflow]", config=QUICK)
+    (run,) = mlflow_runs(store)
+    assert run.info.status == "FINISHED"
+    assert [s for s, _ in metric_history(store, run.info.run_id, "loss")] == [1, 2, 3, 4]
+    assert run.data.params["train.max_steps"] == "2"  # MLflow keeps a parameter's first value
+
+
+def test_sweep_without_a_tracker_package_is_one_line(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep whose runs list a tracker that is not installed is refused in one line before any run starts."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"base: {QUICK}\noverrides: {{run.trackers: [wandb]}}\n"
+                    "matrix: {train.lr: [0.05, 0.1]}\n")
+    line = refused(["sweep", str(spec), "--out", str(tmp_path / "out")], tmp_path)
+    assert "run.trackers includes wandb, which needs the wandb package" in line

@@ -179,14 +179,10 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
     run_owner.begin(run, ctx, cfg, path, watch)
     check_fault(cfg.run.fault, ctx.world_size, run.total_steps)  # one that can fire
     profiler, snapshot = windows(cfg, run_dir, ctx, run.total_steps, run.start)
-    log = MetricsLog(run_dir, ctx.is_main, run.total_steps, cfg.run.progress,
+    # The trackers first: one that cannot start stops the run before it writes anything.
+    trackers = open_trackers(cfg, run_dir, resumed=path is not None) if ctx.is_main else None
+    log = MetricsLog(run_dir, ctx.is_main, run.total_steps, cfg.run.progress, trackers,
                      resume_step=run.start if path is not None else None)
-    if ctx.is_main:
-        try:
-            log.trackers = open_trackers(cfg, run_dir, resumed=path is not None)
-        except DtlabError:
-            log.close()
-            raise
     run.lost_steps = log.lost_steps
     if path is not None and ctx.is_main:
         done = (" (the run is complete: evaluating only; resume=none run.overwrite=true starts "

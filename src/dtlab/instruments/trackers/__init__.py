@@ -79,9 +79,8 @@ class Trackers:
                 self.on.remove(t)
                 with contextlib.suppress(Exception):  # its run marked failed, where it still can be
                     t.end(False)
-                reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
                 print(f"dtlab: warning: tracker {t.name} failed {what} at step {self.step} "
-                      f"({reason}); it is off for the rest of this run, training goes on "
+                      f"({reason(e)}); it is off for the rest of this run, training goes on "
                       "(metrics.jsonl and summary.json have everything)", file=sys.stderr,
                       flush=True)
 
@@ -104,11 +103,21 @@ class Trackers:
         self.on = []
 
 
+def reason(error: Exception, most: int = 200) -> str:
+    """An exception as part of one line: its first line, at most `most` characters."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= most else text[:most].rstrip() + "..."
+
+
 def open_trackers(cfg: Config, run_dir: Path, resumed: bool) -> Trackers:
     """Start each tracker of run.trackers on rank 0 and log the resolved config into it."""
     names = cfg.run.active_trackers
     if not names:
         return Trackers([])
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DtlabError(files.describe(e, f"writing into run.dir '{run_dir}'", "run.dir")) from None
     ids = _saved_ids(run_dir) if resumed else {}
     params = {k: as_param(v) for k, v in flatten(cfg.model_dump(mode="json")).items()}
     started: list[Tracker] = []
@@ -119,8 +128,7 @@ def open_trackers(cfg: Config, run_dir: Path, resumed: bool) -> Trackers:
         except Exception as e:
             for t in started:
                 t.end(False)
-            reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-            raise DtlabError(f"tracker {name} could not start ({reason}); fix: check run.{name}"
+            raise DtlabError(f"tracker {name} could not start ({reason(e)}); fix: check run.{name}"
                              f" (docs/observability.md#experiment-trackers), or remove {name} "
                              "from run.trackers") from None
         started.append(tracker)
