@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,10 +19,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from dtlab.config.schema import MlflowOptions
 
-# A server that stops answering must cost seconds, not MLflow's default of 7 retries with
+# A server that is gone must cost seconds, not MLflow's default of 7 retries with
 # exponential backoff and 120 s timeouts (minutes in which rank 0 holds up every rank).
-HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
                  "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+
+
+def key(name: str) -> str:
+    """A metric or tag name MLflow accepts (letters, digits, _ - . / and spaces)."""
+    return re.sub(r"[^\w\-. /]", "_", name)
 
 
 def default_uri(run_dir: Path) -> str:
@@ -83,16 +89,16 @@ class MlflowTracker:
 
     def metrics(self, values: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[self._metric(k, v, now, step)
+        self.client.log_batch(self.run_id, metrics=[self._metric(key(k), v, now, step)
                                                     for k, v in values.items()])
 
     def summary(self, values: dict[str, float | str], step: int) -> None:
         """Numbers as metrics `summary.KEY` at the last step (comparable across runs), text as
         tags."""
         now = int(time.time() * 1000)
-        metrics = [self._metric(f"summary.{k}", v, now, step) for k, v in values.items()
+        metrics = [self._metric(key(f"summary.{k}"), v, now, step) for k, v in values.items()
                    if not isinstance(v, str)]
-        tags = [self._tag(f"summary.{k}", v[:5000]) for k, v in values.items()
+        tags = [self._tag(key(f"summary.{k}"), v[:5000]) for k, v in values.items()
                 if isinstance(v, str)]
         self.client.log_batch(self.run_id, metrics=metrics, tags=tags)
 
