@@ -155,16 +155,28 @@ def test_tensorboard_keeps_working_as_run_tensorboard_true(tmp_path: Path) -> No
     assert [e.step for e in events.Scalars("val_loss")] == [2, 4]
 
 
-@pytest.mark.parametrize("tracker", ["mlflow", "wandb", "tensorboard"])
-def test_missing_tracker_package_is_one_line(tracker: str, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+MISSING = [
+    ("mlflow", "run.trackers=[mlflow]",
+     "run.trackers includes mlflow, which needs the mlflow package; fix: pip install 'dtlab[mlflow]'"),
+    ("wandb", "run.trackers=[tensorboard,wandb]",
+     "run.trackers includes wandb, which needs the wandb package; fix: pip install 'dtlab[wandb]'"),
+    ("tensorboard", "run.trackers=[tensorboard]", "run.trackers includes tensorboard, which needs "
+     "the tensorboard package; fix: pip install 'dtlab[tensorboard]'"),
+    ("tensorboard", "run.tensorboard=true", "run.tensorboard=true needs the tensorboard package; "
+     "fix: pip install 'dtlab[tensorboard]'"),
+]
+
+
+@pytest.mark.parametrize(("package", "setting", "expected"), MISSING,
+                         ids=[m[1] for m in MISSING])
+def test_missing_tracker_package_is_one_line(package: str, setting: str, expected: str,
+                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tracker whose package is not installed is refused in one line naming its extra, before any rank starts."""
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == tracker else real(name, *a))
-    line = refused(["train", f"run.trackers=[{tracker}]", f"run.dir={tmp_path}/run"], tmp_path)
-    assert f"run.trackers includes {tracker}, which needs the {tracker} package" in line
-    assert f"pip install 'dtlab[{tracker}]'" in line
+                        lambda name, *a: None if name == package else real(name, *a))
+    line = refused(["train", setting, f"run.dir={tmp_path}/run"], tmp_path)
+    assert line.startswith(f"dtlab: error: {expected}"), line
     assert not (tmp_path / "run").exists()
 
 
