@@ -22,6 +22,13 @@ TINY = ("train.max_steps=4", "train.eval_every=2", "data.synthetic.train_samples
         "data.synthetic.val_samples=64")
 
 
+@pytest.fixture(autouse=True)
+def _no_tracker_setup_of_the_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The defaults under test, whatever this machine's user has set up."""
+    for name in ("MLFLOW_TRACKING_URI", "WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(scope="module")
 def empty_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An MLflow sqlite store with its tables made: MLflow takes ~4 s of CPU to set up a new one
@@ -211,15 +218,19 @@ def test_tracker_failing_mid_run_warns_once_and_training_goes_on(
     assert run.info.status == "FAILED"  # what it holds is not the whole run
 
 
-def test_tracker_that_cannot_start_stops_the_run_in_one_line(tmp_path: Path) -> None:
-    """A tracker that cannot start (an MLflow store address no store answers) stops the run before it writes anything, in one line naming the setting."""
+@pytest.mark.parametrize("where", ["run.mlflow.tracking_uri", "MLFLOW_TRACKING_URI"])
+def test_tracker_that_cannot_start_stops_the_run_in_one_line(where: str, tmp_path: Path) -> None:
+    """A tracker that cannot start (an MLflow store address, in the config or MLflow's variable, that no store answers) stops the run before it writes anything, in one line."""
     pytest.importorskip("mlflow")
-    proc = dtlab("train", "--config", QUICK, *TINY, "run.trackers=[mlflow]", "run.mlflow.tracking_uri=nowhere://x",
-                 f"run.dir={tmp_path / 'run'}", "run.progress=false")
+    setting = ["run.mlflow.tracking_uri=nowhere://x"] if where.startswith("run.") else []
+    proc = dtlab("train", "--config", QUICK, *TINY, "run.trackers=[mlflow]", *setting,
+                 f"run.dir={tmp_path / 'run'}", "run.progress=false",
+                 env={} if setting else {"MLFLOW_TRACKING_URI": "nowhere://x"})
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("dtlab: error: tracker mlflow could not start (")
-    assert "fix: check run.mlflow" in lines[0] and "Traceback" not in proc.stderr
+    assert "fix: check run.mlflow and MLFLOW_TRACKING_URI" in lines[0]
+    assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()  # nothing written: run again once it is fixed
 
 

@@ -271,8 +271,9 @@ TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("m
 class MlflowOptions(Section):
     """Where run.trackers=[mlflow] logs (dtlab/instruments/trackers/mlflow.py)."""
 
-    # None: a sqlite store in the run directory, sqlite:///RUN_DIR/mlflow.db (offline; `mlflow ui
-    # --backend-store-uri` reads it); or a server's http(s):// address
+    # None: $MLFLOW_TRACKING_URI where set, else a sqlite store in the run directory,
+    # sqlite:///RUN_DIR/mlflow.db (offline; `mlflow ui --backend-store-uri` reads it); or a
+    # server's http(s):// address
     tracking_uri: str | None = None
     experiment: str | None = None  # None: "dtlab" (a sweep's runs: the sweep's name)
     run_name: str | None = None  # None: the run directory's name (in a sweep: what varies)
@@ -281,7 +282,8 @@ class MlflowOptions(Section):
 class WandbOptions(Section):
     """Where run.trackers=[wandb] logs (dtlab/instruments/trackers/wandb.py)."""
 
-    mode: Literal["offline", "online"] = "offline"  # online: after `wandb login`
+    # None: $WANDB_MODE where set, else offline; online: after `wandb login`
+    mode: Literal["offline", "online"] | None = None
     project: str = "dtlab"
     entity: str | None = None
     group: str | None = None  # None: none (a sweep's runs: the sweep's name)

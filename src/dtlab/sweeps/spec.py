@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -167,14 +168,14 @@ def config_key(cfg: Config, nproc_per_node: int, nnodes: int, slurm_mode: str) -
 
 def group_trackers(cfg: Config, out_dir: Path, label: str) -> None:
     """A sweep's runs in one place of each tracker: one MLflow experiment named after the sweep
-    (in OUT/mlflow.db unless run.mlflow.tracking_uri names a server), one wandb group; each run
+    (in OUT/mlflow.db unless run.mlflow.tracking_uri or MLFLOW_TRACKING_URI names another store), one wandb group; each run
     named by what varies. Settings the spec gives are kept. Set after the run's key is made:
     where a run is tracked does not make it another run."""
     if not cfg.run.active_trackers:
         return
     name = Path(out_dir).resolve().name
     ml, wb = cfg.run.mlflow, cfg.run.wandb
-    if ml.tracking_uri is None:
+    if ml.tracking_uri is None and not os.environ.get("MLFLOW_TRACKING_URI"):
         ml.tracking_uri = f"sqlite:///{(Path(out_dir) / 'mlflow.db').resolve()}"
     ml.experiment = ml.experiment or name
     ml.run_name = ml.run_name or label

@@ -33,7 +33,10 @@ IDS_FILE = "trackers.json"  # each tracker's run id, so that a resumed run conti
 
 
 class Tracker(Protocol):
+    """Made as Kind(run.<name> options, run_dir, run id to go on in or None)."""
+
     name: str
+    settings: str  # what decides where it logs: named by the line of one that cannot start
     run_id: str
 
     def params(self, params: dict[str, str]) -> None: ...
@@ -122,33 +125,35 @@ def open_trackers(cfg: Config, run_dir: Path, resumed: bool) -> Trackers:
     params = {k: as_param(v) for k, v in flatten(cfg.model_dump(mode="json")).items()}
     started: list[Tracker] = []
     for name in names:
+        kind = _kind(name)
         try:
-            tracker = _start(name, cfg, run_dir, ids.get(name))
+            tracker = kind(getattr(cfg.run, name), run_dir, ids.get(name))
             tracker.params(params)
         except Exception as e:
             for t in started:
                 t.end(False)
-            raise DtlabError(f"tracker {name} could not start ({reason(e)}); fix: check run.{name}"
-                             f" (docs/observability.md#experiment-trackers), or remove {name} "
-                             "from run.trackers") from None
+            raise DtlabError(f"tracker {name} could not start ({reason(e)}); fix: check "
+                             f"{kind.settings} (docs/observability.md#experiment-trackers), or "
+                             f"remove {name} from run.trackers") from None
         started.append(tracker)
     ids.update({t.name: t.run_id for t in started if t.run_id})
     files.write_text(run_dir / IDS_FILE, json.dumps(ids, indent=2) + "\n", "run.dir")
     return Trackers(started)
 
 
-def _start(name: str, cfg: Config, run_dir: Path, run_id: str | None) -> Tracker:
+def _kind(name: str) -> Any:
+    """The tracker class of a run.trackers entry (its module imports its package when used)."""
     if name == "mlflow":
         from dtlab.instruments.trackers.mlflow import MlflowTracker
 
-        return MlflowTracker(cfg.run.mlflow, run_dir, run_id)
+        return MlflowTracker
     if name == "wandb":
         from dtlab.instruments.trackers.wandb import WandbTracker
 
-        return WandbTracker(cfg.run.wandb, run_dir, run_id)
+        return WandbTracker
     from dtlab.instruments.trackers.tensorboard import TensorBoardTracker
 
-    return TensorBoardTracker(run_dir)
+    return TensorBoardTracker
 
 
 def _saved_ids(run_dir: Path) -> dict[str, str]:

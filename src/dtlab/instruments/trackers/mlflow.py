@@ -1,8 +1,8 @@
 """run.trackers=[mlflow]: one MLflow run per dtlab run, through MlflowClient (no global active
 run: a failed run in this process leaves nothing behind for the next).
 
-By default the store is a sqlite file in the run directory (RUN_DIR/mlflow.db, artifacts in
-RUN_DIR/mlflow-artifacts): offline, and `mlflow ui --backend-store-uri sqlite:///RUN_DIR/mlflow.db`
+By default (no run.mlflow.tracking_uri, no MLFLOW_TRACKING_URI) the store is a sqlite file in
+the run directory (RUN_DIR/mlflow.db, artifacts in RUN_DIR/mlflow-artifacts): offline, and `mlflow ui --backend-store-uri sqlite:///RUN_DIR/mlflow.db`
 shows it. (MLflow 3's plain-file store refuses unless MLFLOW_ALLOW_FILE_STORE=true.) With
 run.mlflow.tracking_uri=http://HOST:PORT the runs go to that server.
 """
@@ -30,8 +30,10 @@ def key(name: str) -> str:
     return re.sub(r"[^\w\-. /]", "_", name)
 
 
-def default_uri(run_dir: Path) -> str:
-    return f"sqlite:///{(Path(run_dir) / 'mlflow.db').resolve()}"
+def tracking_uri(configured: str | None, store_dir: Path) -> str:
+    """run.mlflow.tracking_uri, else MLflow's own variable, else a sqlite file in store_dir."""
+    return configured or os.environ.get("MLFLOW_TRACKING_URI") or \
+        f"sqlite:///{(Path(store_dir) / 'mlflow.db').resolve()}"
 
 
 def artifact_root(uri: str) -> str | None:
@@ -44,6 +46,7 @@ def artifact_root(uri: str) -> str | None:
 
 class MlflowTracker:
     name = "mlflow"
+    settings = "run.mlflow and MLFLOW_TRACKING_URI"  # what decides where it logs
 
     def __init__(self, opts: MlflowOptions, run_dir: Path, run_id: str | None) -> None:
         for key, value in HTTP_DEFAULTS.items():
@@ -56,7 +59,7 @@ class MlflowTracker:
             logging.getLogger(logger).setLevel(logging.WARNING)
 
         self._metric, self._param, self._tag = Metric, Param, RunTag
-        uri = opts.tracking_uri or default_uri(run_dir)
+        uri = tracking_uri(opts.tracking_uri, run_dir)
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self._experiment(opts.experiment or "dtlab", artifact_root(uri))
         if run_id is not None:  # a resumed run goes on in the MLflow run it began

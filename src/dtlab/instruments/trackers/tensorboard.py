@@ -8,9 +8,10 @@ from pathlib import Path
 
 class TensorBoardTracker:
     name = "tensorboard"
+    settings = "that run.dir can be written"
     run_id = ""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, options: object, run_dir: Path, run_id: str | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))

@@ -1,12 +1,13 @@
 """run.trackers=[wandb]: one Weights & Biases run per dtlab run.
 
-Offline by default (run.wandb.mode=offline): the run is written under RUN_DIR/wandb/ with no
+Offline by default (run.wandb.mode unset and no WANDB_MODE in the environment): the run is written under RUN_DIR/wandb/ with no
 network, and `wandb sync RUN_DIR/wandb/offline-run-*` uploads it later. run.wandb.mode=online
 logs live, after `wandb login` (or WANDB_API_KEY).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 
 class WandbTracker:
     name = "wandb"
+    settings = "run.wandb and WANDB_MODE (online: `wandb login`)"  # what decides where it logs
 
     def __init__(self, opts: WandbOptions, run_dir: Path, run_id: str | None) -> None:
         import wandb
@@ -25,12 +27,12 @@ class WandbTracker:
         # wrapped by wandb's capture of stdout and stderr.
         self.run: Any = wandb.init(
             project=opts.project, entity=opts.entity, group=opts.group,
-            name=opts.name or Path(run_dir).name, dir=str(run_dir), mode=opts.mode,
+            name=opts.name or Path(run_dir).name, dir=str(run_dir),
+            mode=opts.mode or os.environ.get("WANDB_MODE") or "offline",
             id=run_id, resume="allow" if run_id else None, reinit="create_new",
             settings=wandb.Settings(console="off", silent=True),
         )
         self.run_id = self.run.id
-        self.dir = Path(self.run.dir).parent  # RUN_DIR/wandb/<offline-run-...>
 
     def params(self, params: dict[str, str]) -> None:
         self.run.config.update(params, allow_val_change=True)
