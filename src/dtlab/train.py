@@ -190,7 +190,11 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
         print(f"dtlab: resuming from {path} at step {run.start}{done}; steps lost since that "
               f"checkpoint: {log.lost_steps}", file=sys.stderr, flush=True)
     if ctx.is_main:
-        files.write_text(run_dir / "config.yaml", to_yaml(cfg), "run.dir")
+        try:
+            files.write_text(run_dir / "config.yaml", to_yaml(cfg), "run.dir")
+        except DtlabError:
+            log.close()  # the trackers' runs end (failed) with the run
+            raise
     run.epoch = run.start // loader.steps_per_epoch
 
     def evaluate() -> None:
