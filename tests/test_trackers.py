@@ -208,9 +208,8 @@ def test_tracker_failing_mid_run_warns_once_and_training_goes_on(
     assert proc.returncode == 0, proc.stderr[-2000:]
     warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
     assert warnings == ["dtlab: warning: tracker mlflow failed logging metrics at step 3 (API "
-                        "request to http://mlflow:5000 failed: Connection refused); it is off "
-                        "for the rest of this run, training goes on (metrics.jsonl and "
-                        "summary.json have everything)"], proc.stderr
+                        "request to http://mlflow:5000 failed: Connection refused); the run goes on "
+                        "without it (metrics.jsonl and summary.json have everything)"], proc.stderr
     assert [s for s, _ in history(run_dir, "loss")] == [1, 2, 3, 4]
     assert (run_dir / "summary.json").is_file()
     (run,) = mlflow_runs(run_dir / "mlflow.db")

@@ -83,7 +83,7 @@ class Trackers:
                 with contextlib.suppress(Exception):  # its run marked failed, where it still can be
                     t.end(False)
                 print(f"dtlab: warning: tracker {t.name} failed {what} at step {self.step} "
-                      f"({reason(e)}); it is off for the rest of this run, training goes on "
+                      f"({reason(e)}); the run goes on without it "
                       "(metrics.jsonl and summary.json have everything)", file=sys.stderr,
                       flush=True)
 
