@@ -19,7 +19,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	grep -qs '^include-system-site-packages = false' $(VENV)/pyvenv.cfg || { rm -rf $(VENV); $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install -q --no-compile "$(TORCH_PIN)"
-	$(PY) -m pip install -q --no-compile -e '.[dev,deepspeed]'  # torch is already there: deepspeed keeps it
+	$(PY) -m pip install -q --no-compile -e '.[dev,deepspeed,mlflow,wandb,tensorboard]'  # torch is already there: deepspeed keeps it
 	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
 	touch $(STAMP)
 

@@ -48,6 +48,7 @@ from dtlab.instruments import flight_recorder
 from dtlab.instruments.memory_snapshot import out_of_memory
 from dtlab.instruments.metrics import MetricsLog, log_step, restart_peak
 from dtlab.instruments.profile_window import windows
+from dtlab.instruments.trackers import open_trackers
 from dtlab.levers import activation_checkpoint, lora, numerics
 from dtlab.levers.compile import compile_blocks, compiled_forward
 from dtlab.levers.optim import build_scheduler
@@ -178,7 +179,9 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
     run_owner.begin(run, ctx, cfg, path, watch)
     check_fault(cfg.run.fault, ctx.world_size, run.total_steps)  # one that can fire
     profiler, snapshot = windows(cfg, run_dir, ctx, run.total_steps, run.start)
-    log = MetricsLog(run_dir, ctx.is_main, run.total_steps, cfg.run.progress, cfg.run.tensorboard,
+    # The trackers first: one that cannot start stops the run before it writes anything.
+    trackers = open_trackers(cfg, run_dir, resumed=path is not None) if ctx.is_main else None
+    log = MetricsLog(run_dir, ctx.is_main, run.total_steps, cfg.run.progress, trackers,
                      resume_step=run.start if path is not None else None)
     run.lost_steps = log.lost_steps
     if path is not None and ctx.is_main:
@@ -187,7 +190,11 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
         print(f"dtlab: resuming from {path} at step {run.start}{done}; steps lost since that "
               f"checkpoint: {log.lost_steps}", file=sys.stderr, flush=True)
     if ctx.is_main:
-        files.write_text(run_dir / "config.yaml", to_yaml(cfg), "run.dir")
+        try:
+            files.write_text(run_dir / "config.yaml", to_yaml(cfg), "run.dir")
+        except DtlabError:
+            log.close()  # the trackers' runs end (failed) with the run
+            raise
     run.epoch = run.start // loader.steps_per_epoch
 
     def evaluate() -> None:
@@ -197,6 +204,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
 
     tr.model.train()
     run.peaks.update(restart_peak(ctx.device, "setup"))
+    trained = False  # the trackers' runs end with the summary, or here when training failed
     try:
         # A signal in the loop stops all ranks after the same step (dtlab/process/interrupt.py).
         with interrupt.deferred(STOP_DEADLINE_S):
@@ -244,6 +252,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
                 not (checkpoint.checkpoint_root(run_dir) / f"step_{run.step:06d}").is_dir():
             state.save(cfg, ctx, tr, run)  # the end of the run (or of a resumed run, here in run.dir)
         run_owner.check_directory(ctx, watch, run.step)  # the summary goes where the run began
+        trained = True
     except torch.OutOfMemoryError as e:
         held = strategy.state_bytes(tr.model, tr.optimizer)
         raise RunError(out_of_memory(e, f"at step {run.step}", ctx, run_dir, held,
@@ -262,7 +271,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
                               f" during step {done + 1}{last_checkpoint(cfg, run_dir)}")
         raise
     finally:
-        log.close()  # the progress bar too: the terminal is left clean
+        log.close(keep_trackers=trained)  # the progress bar too: the terminal is left clean
         profiler.close(complete=False, write=watch.intact())  # stopped inside the window: its trace so far
         snapshot.stop()
 

@@ -262,6 +262,34 @@ class LabConfig(Section):
     no_destroy_process_group: bool = False  # exit without destroying the process group
 
 
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+# the package each tracker imports, and the dtlab extra that installs it
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"),
+                    "wandb": ("wandb", "wandb")}
+
+
+class MlflowOptions(Section):
+    """Where run.trackers=[mlflow] logs (dtlab/instruments/trackers/mlflow.py)."""
+
+    # None: $MLFLOW_TRACKING_URI where set, else a sqlite store in the run directory,
+    # sqlite:///RUN_DIR/mlflow.db (offline; `mlflow ui --backend-store-uri` reads it); or a
+    # server's http(s):// address
+    tracking_uri: str | None = None
+    experiment: str | None = None  # None: "dtlab" (a sweep's runs: the sweep's name)
+    run_name: str | None = None  # None: the run directory's name (in a sweep: what varies)
+
+
+class WandbOptions(Section):
+    """Where run.trackers=[wandb] logs (dtlab/instruments/trackers/wandb.py)."""
+
+    # None: $WANDB_MODE where set, else offline; online: after `wandb login`
+    mode: Literal["offline", "online"] | None = None
+    project: str = "dtlab"
+    entity: str | None = None
+    group: str | None = None  # None: none (a sweep's runs: the sweep's name)
+    name: str | None = None  # None: the run directory's name (in a sweep: what varies)
+
+
 class RunConfig(Section):
     dir: str | None = None  # None = runs/<config name>-<strategy>
     # a run that starts over (resume=none) deletes an earlier run's checkpoints, metrics and
@@ -289,7 +317,11 @@ class RunConfig(Section):
     checkpoint_signal: Literal["USR1", "USR2"] | None = None
     # a rank's peak TFLOP/s for MFU, when the device is not in dtlab/instruments/flops.py's table
     peak_tflops: float | None = None
-    tensorboard: bool = False
+    # experiment trackers, each logging from rank 0 (docs/observability.md#experiment-trackers)
+    trackers: list[Literal[TRACKERS]] = Field(default_factory=list)  # type: ignore[valid-type]
+    mlflow: MlflowOptions = Field(default_factory=MlflowOptions)
+    wandb: WandbOptions = Field(default_factory=WandbOptions)
+    tensorboard: bool = False  # the same as listing tensorboard in run.trackers
     track_samples: bool = False  # count how often each training sample was used (summary.json)
     # numerics (dtlab/levers/numerics.py): the same bits on every run of a command (GPU), TF32 matmuls
     # and convolutions (fp32 runs on Ampere and later), cuDNN autotuning (auto: on CUDA unless
@@ -307,6 +339,20 @@ class RunConfig(Section):
                              "to 100000); fix: the datasheet's dense TFLOP/s for the run's "
                              "precision, e.g. run.peak_tflops=989 (H100, bf16), or leave it unset")
         return v
+
+    @field_validator("trackers")
+    @classmethod
+    def _each_tracker_once(cls, v: list[str]) -> list[str]:
+        twice = next((t for i, t in enumerate(v) if t in v[:i]), None)
+        if twice is not None:
+            raise ValueError(f"run.trackers lists {twice} twice; fix: list each tracker once")
+        return v
+
+    @property
+    def active_trackers(self) -> list[str]:
+        """run.trackers, with tensorboard when run.tensorboard=true."""
+        extra = ["tensorboard"] if self.tensorboard and "tensorboard" not in self.trackers else []
+        return [*self.trackers, *extra]
 
     @property
     def run_dir(self) -> Path:

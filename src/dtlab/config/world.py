@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from dtlab.config.schema import Config
+from dtlab.config.schema import TRACKER_PACKAGES, Config
 from dtlab.config.strategies import registry
 from dtlab.config.strategies.spec import micro_batch_of
 from dtlab.errors import ConfigError
@@ -51,3 +51,10 @@ def check_environment(cfg: Config) -> None:
             "run.tensorboard=true needs the tensorboard package; "
             "fix: pip install 'dtlab[tensorboard]', or set run.tensorboard=false"
         )
+    for name in cfg.run.trackers:
+        package, extra_name = TRACKER_PACKAGES[name]
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"run.trackers includes {name}, which needs the {package} package; fix: pip "
+                f"install 'dtlab[{extra_name}]' (after the pinned torch), or remove {name} from "
+                "run.trackers")

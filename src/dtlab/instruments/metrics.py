@@ -26,6 +26,7 @@ import torch
 from dtlab import files
 from dtlab.errors import DtlabError, RunError
 from dtlab.instruments.machine_load import mfu_line
+from dtlab.instruments.trackers import Trackers
 from dtlab.rundir.hints import intact_note
 
 if TYPE_CHECKING:
@@ -71,14 +72,16 @@ def metric_line(record: dict[str, Any]) -> str:
 
 
 class MetricsLog:
-    """Rank 0 writes; other ranks call the same methods, which do nothing."""
+    """Rank 0 writes; other ranks call the same methods, which do nothing. What is logged also
+    goes to the run's trackers (dtlab/instruments/trackers), which end with the run."""
 
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, progress: bool | str,
-                 tensorboard: bool = False, resume_step: int | None = None) -> None:
+                 trackers: Trackers | None = None, resume_step: int | None = None) -> None:
         self.enabled = enabled
         self.jsonl: TextIO | None = None
         self.bar = None
-        self.tb = None
+        self.trackers = trackers or Trackers([])
+        self.summary_written = False
         self.lost_steps = 0  # steps completed after the checkpoint we resume from: they run again
         self.progress: TextIO | None = None
         self.logged_loss: float | None = None  # what the progress bar shows
@@ -86,12 +89,12 @@ class MetricsLog:
             return
         self.run_dir = run_dir
         try:
-            self._open(run_dir, total_steps, progress, tensorboard, resume_step)
+            self._open(run_dir, total_steps, progress, resume_step)
         except OSError as e:  # before the first step: the run directory is unusable
             self._abandon()
             raise DtlabError(files.describe(e, f"writing into run.dir '{run_dir}'", "run.dir")) from None
 
-    def _open(self, run_dir: Path, total_steps: int, progress: bool | str, tensorboard: bool,
+    def _open(self, run_dir: Path, total_steps: int, progress: bool | str,
               resume_step: int | None) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / "metrics.jsonl"
@@ -122,10 +125,6 @@ class MetricsLog:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
 
     def _history(self, path: Path, resume_step: int) -> list[str]:
         """The records up to the resumed step (a crash can leave a torn last line, a disk or a
@@ -162,10 +161,7 @@ class MetricsLog:
             with contextlib.suppress(OSError):  # no torn last line: the records end whole
                 os.truncate(self.run_dir / "metrics.jsonl", self.jsonl_bytes)
             self._failed(e, self.run_dir / "metrics.jsonl", record.get("step"))
-        if self.tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.tb.add_scalar(k, v, record.get("step", 0))
+        self.trackers.metrics(record)
         if "loss" in record:
             self.logged_loss = record["loss"]
         if not quiet:
@@ -200,6 +196,8 @@ class MetricsLog:
             files.replace_whole(path, lambda tmp: tmp.write_text(json.dumps(summary, indent=2) + "\n"))
         except OSError as e:
             self._failed(e, path, summary.get("steps"))
+        self.summary_written = True
+        self.trackers.summary(summary)
         flat = {k: v for k, v in summary.items() if isinstance(v, (int, float, str)) and k in SUMMARY_LINE}
         if summary.get("mfu_note") and summary.get("mfu") is None and "peak_tflops" in summary:
             flat["mfu"] = "n/a"  # withheld: the line after says why
@@ -207,14 +205,16 @@ class MetricsLog:
         if summary.get("mfu_note"):
             self._print(mfu_line(summary))
 
-    def close(self) -> None:
+    def close(self, keep_trackers: bool = False) -> None:
+        """Close the files; the trackers too (finished when the summary was written, else
+        failed), unless keep_trackers: the summary is still to come."""
         if self.bar is not None:
             self.bar.close()
         for f in (self.jsonl, self.progress):
             if f is not None:
                 f.close()
-        if self.tb is not None:
-            self.tb.close()
+        if not keep_trackers and self.enabled:
+            self.trackers.end(self.run_dir, self.summary_written)
 
     def _abandon(self) -> None:
         """Close every file without flushing again what the disk refused."""
@@ -225,6 +225,7 @@ class MetricsLog:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        self.trackers.end(self.run_dir, finished=False)
 
     def _failed(self, error: OSError, path: Path, step: int | None) -> None:
         """A write failed during training: stop the run with one line (rank 0 writes alone; the

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, V
 
 from dtlab.config import (
     Config,
+    check_environment,
     check_value,
     check_world,
     format_validation_error,
@@ -164,6 +166,23 @@ def config_key(cfg: Config, nproc_per_node: int, nnodes: int, slurm_mode: str) -
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+def group_trackers(cfg: Config, out_dir: Path, label: str) -> None:
+    """A sweep's runs in one place of each tracker: one MLflow experiment named after the sweep
+    (in OUT/mlflow.db unless run.mlflow.tracking_uri or MLFLOW_TRACKING_URI names another store), one wandb group; each run
+    named by what varies. Settings the spec gives are kept. Set after the run's key is made:
+    where a run is tracked does not make it another run."""
+    if not cfg.run.active_trackers:
+        return
+    name = Path(out_dir).resolve().name
+    ml, wb = cfg.run.mlflow, cfg.run.wandb
+    if ml.tracking_uri is None and not os.environ.get("MLFLOW_TRACKING_URI"):
+        ml.tracking_uri = f"sqlite:///{(Path(out_dir) / 'mlflow.db').resolve()}"
+    ml.experiment = ml.experiment or name
+    ml.run_name = ml.run_name or label
+    wb.group = wb.group or name
+    wb.name = wb.name or label
+
+
 def expand(spec: SweepSpec, out_dir: Path, launcher: str) -> list[PlannedRun]:
     """Every combination of the matrix, resolved; invalid ones carry the reason."""
     names = list(spec.matrix)
@@ -195,6 +214,7 @@ def expand(spec: SweepSpec, out_dir: Path, launcher: str) -> list[PlannedRun]:
             if run.slurm_mode not in ("srun", "torchrun"):
                 raise ConfigError(f"slurm_mode must be srun or torchrun, not {run.slurm_mode}")
             check_world(cfg, run.world_size, run.nproc_per_node)
+            check_environment(cfg)  # a tracker's or strategy's package
         except ConfigError as e:
             run.invalid = str(e)
             plans.append(run)
@@ -210,6 +230,7 @@ def expand(spec: SweepSpec, out_dir: Path, launcher: str) -> list[PlannedRun]:
         cfg.run.progress = False
         # A run that starts over in its directory (a failed one run again) replaces what it left.
         cfg.run.overwrite = True
+        group_trackers(cfg, out_dir, run.label)
         run.config = cfg
         plans.append(run)
     if not plans:
