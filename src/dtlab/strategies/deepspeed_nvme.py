@@ -13,11 +13,15 @@ nvme_path directory itself when dtlab created it (the default, <run.dir>/nvme).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from torch.utils.cpp_extension import _get_build_directory
 
 from dtlab import files
 from dtlab.config.strategies.deepspeed_config import (
@@ -31,25 +35,50 @@ if TYPE_CHECKING:
     from dtlab.config import Config
 
 FIX = ("fix: install libaio (Debian/Ubuntu: apt-get install libaio-dev; RHEL: yum install "
-       "libaio-devel), then run `dtlab doctor` once to build the op (about 3 min, cached), or "
-       "offload to cpu instead (strategy.deepspeed.offload_device=cpu)")
+       "libaio-devel; the first run then builds the op, about 3 min on 2 cores, cached), or "
+       "offload to host memory instead (strategy.deepspeed.offload_device=cpu)")
+BUILD_NOTE = ("dtlab: building DeepSpeed's async_io op for NVMe offload (once: about 3 min on 2 "
+              "cores; cached in {where})")
+
+
+def _aio_builder() -> Any:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the strategy does on a host-only run
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().create_op_builder("AsyncIOBuilder")
+
+
+def aio_status() -> tuple[str, str]:
+    """(state, what was found) of DeepSpeed's async_io op, without building it. States:
+    "no-deepspeed", "no-libaio", "unbuilt" (libaio found, the first use builds it), "built"."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return "no-deepspeed", "the deepspeed package is not installed"
+    builder = _aio_builder()
+    if builder is None or not builder.is_compatible(verbose=False):
+        return "no-libaio", "libaio (its headers and library) was not found"
+    from deepspeed.git_version_info import installed_ops
+
+    if installed_ops.get("async_io"):
+        return "built", "libaio found; async_io op installed with deepspeed"
+    where = Path(_get_build_directory(builder.name, verbose=False))
+    if (where / f"{builder.name}.so").is_file():
+        return "built", f"libaio found; async_io op built in {where}"
+    return "unbuilt", f"libaio found; the first NVMe run builds the async_io op in {where}"
 
 
 def aio_problem() -> str | None:
-    """Why DeepSpeed's async_io op cannot load here (None: it loads; building it when absent)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the strategy does on a host-only run
-    try:
-        from deepspeed.accelerator import get_accelerator
-    except ImportError:
-        return "the deepspeed package is not installed"
-    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
-    if builder is None or not builder.is_compatible(verbose=False):
-        return "libaio (its headers and library) was not found"
+    """Why DeepSpeed's async_io op cannot load here (None: it loads; built first if need be)."""
+    state, found = aio_status()
+    if state in ("no-deepspeed", "no-libaio"):
+        return found
+    if state == "unbuilt":
+        print(BUILD_NOTE.format(where=found.rsplit(" in ", 1)[-1]), file=sys.stderr, flush=True)
     try:
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            builder.load(verbose=False)
+            _aio_builder().load(verbose=False)
     except Exception as e:  # noqa: BLE001 - a compiler or loader failure, said in one line
-        return f"building it failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        return f"building or loading it failed ({type(e).__name__}: {first})"
     return None
 
 
