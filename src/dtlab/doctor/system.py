@@ -36,7 +36,7 @@ def software() -> Iterator[Check]:
 def nvme_offload() -> Check:
     """DeepSpeed's async_io op, which NVMe offload (ZeRO-Infinity) needs: not built here (the
     first NVMe run builds it), only looked for."""
-    from dtlab.strategies.deepspeed_nvme import FIX, aio_status
+    from dtlab.config.strategies.deepspeed_aio import FIX, aio_status
 
     state, found = aio_status()
     if state == "no-deepspeed":

@@ -29,11 +29,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtlab.config.strategies.deepspeed_config import deepspeed_config
+from dtlab.config.strategies.deepspeed_config import deepspeed_config, nvme_offloads
 from dtlab.errors import ConfigError
 from dtlab.levers.optim import build_optimizer
 from dtlab.models import loss_fn
 from dtlab.process.environment import variables_set
+from dtlab.rundir.hints import start_over
 from dtlab.strategies import deepspeed_checkpoint as ds_checkpoint
 from dtlab.strategies import deepspeed_nvme as nvme
 from dtlab.strategies.base import DTYPES, LossHook, StepEngine, Strategy
@@ -71,10 +72,15 @@ class DeepSpeed(Strategy):
         """The engine, and the torch optimizer it steps over its fp32 partitions (dtlab's LambdaLR
         sets that optimizer's lr; dtlab never steps it directly)."""
         self.ds_config = deepspeed_config(self.cfg, self.ctx.world_size, self.ctx.device.type)
-        self.nvme = nvme.Swap.of(self.cfg, self.ds_config, self.ctx.rank)
         self.layout = ds_checkpoint.layout(self.ds_config, self.ctx.world_size)
         # Before any collective: a checkpoint of another layout is refused by rank 0, in one line.
         ds_checkpoint.check_resume(self.cfg, self.layout)
+        if nvme_offloads(self.ds_config) and ds_checkpoint.resume_manifest(self.cfg) is not None:
+            raise ConfigError("resuming a checkpoint under NVMe offload fails inside DeepSpeed "
+                              "(its swapped state is not restored); fix: resume it with "
+                              "strategy.deepspeed.offload_device=cpu, or "
+                              f"{start_over(self.cfg.run.run_dir)}")
+        self.nvme = nvme.Swap.of(self.cfg, self.ds_config, self.ctx.rank)
         deepspeed = import_deepspeed(self.ctx.device, self.cfg.strategy.deepspeed.shm_comm)
         env = self.ctx.env  # DeepSpeed asserts LOCAL_RANK is set; a one-process run sets nothing
         for key, value in (("LOCAL_RANK", env.local_rank), ("RANK", env.rank),

@@ -177,6 +177,13 @@ def nvme_defaults(cfg: Config, zero: dict[str, Any], key: str, stage: int, sourc
     if stage != 3:
         raise ConfigError(f"zero_optimization.{key}.device=nvme needs ZeRO stage 3 (this run: "
                           f"stage {stage}); fix: strategy.deepspeed.zero_stage=3")
+    if cfg.train.checkpoint_every:
+        raise ConfigError(
+            f"train.checkpoint_every={cfg.train.checkpoint_every} with NVMe offload: dtlab's "
+            "DeepSpeed checkpoints do not cover the state NVMe offload keeps in its swap files "
+            "(resuming one fails inside DeepSpeed); fix: train.checkpoint_every=0 "
+            "(run.save_model=true still writes the trained weights), or "
+            "strategy.deepspeed.offload_device=cpu")
     section = zero[key]
     if cfg.strategy.deepspeed.nvme_path is not None:
         _agree(section, "nvme_path", cfg.strategy.deepspeed.nvme_path, f"zero_optimization.{key}.",

@@ -54,7 +54,7 @@ def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
 
 
 def environment(cfg: Config) -> None:
-    from dtlab.strategies.deepspeed_nvme import check
+    from dtlab.config.strategies.deepspeed_aio import check
 
     check(cfg)  # NVMe offload: the swap directory and DeepSpeed's async_io op
 
