@@ -143,25 +143,6 @@ def test_nvme_settings_that_cannot_work_are_refused_in_one_line(
     assert not run.exists()
 
 
-def test_a_json_prefetch_bucket_is_refused_with_nvme(tmp_path: Path) -> None:
-    """A DeepSpeed JSON that keeps ZeRO 3's prefetch under NVMe offload (it fails at the second
-    step) is refused in one line naming the key and the fix, exit 2."""
-    ds = json.loads(Path("configs/deepspeed/zero3_offload.json").read_text())
-    for key in ("offload_param", "offload_optimizer"):
-        ds["zero_optimization"][key] = {"device": "nvme"}
-    (tmp_path / "ds.json").write_text(json.dumps(ds))
-    run = tmp_path / "run"
-    proc = dtlab("train", *NVME, f"strategy.deepspeed.config={tmp_path / 'ds.json'}",
-                 f"run.dir={run}")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        f"dtlab: error: strategy.deepspeed.config '{tmp_path / 'ds.json'}' sets "
-        "zero_optimization.stage3_prefetch_bucket_size=50000000, and DeepSpeed's prefetch fails "
-        "with NVMe offload at the second step (\"already assigned swap buffer id\"); fix: set "
-        "stage3_prefetch_bucket_size to 0 or remove it from the JSON"]
-    assert not run.exists()
-
-
 @needs_ds
 def test_an_nvme_path_that_is_a_file_or_refuses_direct_io_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

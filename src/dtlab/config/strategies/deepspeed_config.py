@@ -24,10 +24,10 @@ DEFAULT_STAGE = 2
 # strategy.deepspeed.<option> -> zero_optimization.<key>, for the options that map one to one.
 ZERO_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients")
 OFFLOADS = ("offload_optimizer", "offload_param")
-# ZeRO-Infinity's defaults where DeepSpeed 0.19.8's own fail on CPU (measured, docs/zero.md):
-# parameter swap buffers (buffer_count x buffer_size elements; a partition must fit one buffer,
-# and a module's parameters must all find one at once), and no prefetch (DeepSpeed's prefetch
-# fails at the second step: "already assigned swap buffer id").
+# ZeRO-Infinity's defaults (docs/zero.md): parameter swap buffers, buffer_count x buffer_size
+# elements (a partition must fit one buffer, and a module's parameters must all find one at once;
+# DeepSpeed's 5 x 1e8 hold 1 GB in bf16), and no prefetch (seen to fail at the second step with
+# small buffers: "already assigned swap buffer id"); a JSON's own values are kept.
 NVME_PARAM_BUFFERS = {"buffer_count": 16, "buffer_size": 2_000_000}
 PREFETCH_KEYS = ("stage3_prefetch_bucket_size", "prefetch_bucket_size")
 
@@ -192,13 +192,8 @@ def nvme_defaults(cfg: Config, zero: dict[str, Any], key: str, stage: int, sourc
     if key == "offload_param":
         for name, value in NVME_PARAM_BUFFERS.items():
             section.setdefault(name, value)
-    for name in PREFETCH_KEYS:
-        if zero.get(name) not in (None, 0):
-            raise ConfigError(
-                f"{source} sets zero_optimization.{name}={json.dumps(zero[name])}, and DeepSpeed's "
-                "prefetch fails with NVMe offload at the second step (\"already assigned swap "
-                f"buffer id\"); fix: set {name} to 0 or remove it from the JSON")
-    zero["stage3_prefetch_bucket_size"] = 0
+    if all(zero.get(name) is None for name in PREFETCH_KEYS):
+        zero["stage3_prefetch_bucket_size"] = 0
 
 
 def nvme_offloads(ds: dict[str, Any]) -> list[str]:
