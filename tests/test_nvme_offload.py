@@ -120,6 +120,11 @@ def test_nvme_offload_without_libaio_is_refused_before_any_rank_starts(
      ["strategy.deepspeed.zero_stage=2", "strategy.deepspeed.offload_param=false"],
      "dtlab: error: zero_optimization.offload_optimizer.device=nvme needs ZeRO stage 3 (this "
      "run: stage 2); fix: strategy.deepspeed.zero_stage=3"),
+    ("an nvme_path with cpu offload",
+     ["strategy.deepspeed.offload_device=cpu", "strategy.deepspeed.nvme_path=/tmp/swap"],
+     "dtlab: error: strategy.deepspeed.nvme_path=/tmp/swap but nothing is offloaded to nvme; "
+     "fix: also set strategy.deepspeed.offload_device=nvme (with offload_param and/or "
+     "offload_optimizer), or remove nvme_path"),
     ("nvme with checkpoints", ["train.checkpoint_every=2"],
      "dtlab: error: train.checkpoint_every=2 with NVMe offload: dtlab's DeepSpeed checkpoints do "
      "not cover the state NVMe offload keeps in its swap files (resuming one fails inside "
@@ -134,8 +139,8 @@ def test_nvme_offload_without_libaio_is_refused_before_any_rank_starts(
 def test_nvme_settings_that_cannot_work_are_refused_in_one_line(
         tmp_path: Path, case: str, overrides: list[str], line: str) -> None:
     """NVMe offload with nothing offloaded, below ZeRO stage 3, with checkpoints (which do not
-    cover its swapped state), or against a JSON's offload device is refused in one line, exit 2,
-    with no run directory left."""
+    cover its swapped state), or against a JSON's offload device, and an nvme_path without it,
+    are refused in one line, exit 2, with no run directory left."""
     run = tmp_path / "run"
     proc = dtlab("train", *NVME, *overrides, f"run.dir={run}")
     assert proc.returncode == 2, case

@@ -55,8 +55,6 @@ class Swap:
         self.ds, self.rank = ds, rank
         default = cfg.run.run_dir / "nvme"
         self.own_dir = default if default in swap_dirs(ds) else None  # dtlab's: removed at the end
-        for path in swap_dirs(ds):
-            path.mkdir(parents=True, exist_ok=True)
 
     @classmethod
     def of(cls, cfg: Config, ds: dict[str, Any], rank: int) -> Swap | None:

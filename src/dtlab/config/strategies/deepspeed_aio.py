@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtlab import files
+from dtlab.config.device import device_type
 from dtlab.config.strategies.deepspeed_config import deepspeed_config, nvme_offloads
 from dtlab.errors import ConfigError, DtlabError
 
@@ -100,7 +101,7 @@ def check(cfg: Config) -> None:
     DeepSpeed's async_io op."""
     if cfg.strategy.deepspeed.offload_device != "nvme" and not _json_offloads_nvme(cfg):
         return
-    ds = deepspeed_config(cfg, 1)
+    ds = deepspeed_config(cfg, 1, device_type(cfg))
     for path in swap_dirs(ds):
         check_direct_io(path, "strategy.deepspeed.nvme_path")
     check_aio()
@@ -110,7 +111,7 @@ def _json_offloads_nvme(cfg: Config) -> bool:
     if not cfg.strategy.deepspeed.config:
         return False
     try:
-        return bool(nvme_offloads(deepspeed_config(cfg, 1)))
+        return bool(nvme_offloads(deepspeed_config(cfg, 1, device_type(cfg))))
     except DtlabError:
         return False  # the config's own error is said by the config check
 

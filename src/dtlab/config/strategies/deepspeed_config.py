@@ -138,6 +138,10 @@ def deepspeed_config(cfg: Config, world_size: int, device_type: str = "cpu") -> 
                                       "fix: set it false (or remove it) in the JSON")
                 zero[key]["pin_memory"] = False
 
+    if o.nvme_path is not None and not nvme_offloads(ds):
+        raise ConfigError(f"strategy.deepspeed.nvme_path={o.nvme_path} but nothing is offloaded "
+                          "to nvme; fix: also set strategy.deepspeed.offload_device=nvme (with "
+                          "offload_param and/or offload_optimizer), or remove nvme_path")
     if o.offload_device == "nvme" and not any(_offload(zero, k) for k in OFFLOADS):
         raise ConfigError("strategy.deepspeed.offload_device=nvme but nothing is offloaded; fix: "
                           "also set strategy.deepspeed.offload_param=true and/or "
