@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 import pytest
+import ranks
 from conftest import dtlab, max_rel_dev, step_losses, train
 
 from dtlab.cli.compare import param_deviation
@@ -222,3 +223,23 @@ def test_doctor_reports_the_async_io_op_and_a_missing_libaio(
     check = nvme_offload()
     assert (check.status, check.found) == ("warn", "libaio (its headers and library) was not found")
     assert check.fix.startswith("install libaio (Debian/Ubuntu: apt-get install libaio-dev")
+
+
+@needs_ds
+def test_resuming_a_checkpoint_under_nvme_offload_is_refused(aio: None, tmp_path: Path) -> None:
+    """Resuming a DeepSpeed checkpoint under NVMe offload (which its checkpoints do not cover) is
+    refused in one line with the fix, exit 2, the checkpoint intact, no run directory left."""
+    from dtlab.rundir.checkpoints import MANIFEST
+
+    ckpt = tmp_path / "step_000002"
+    ckpt.mkdir()
+    (ckpt / MANIFEST).write_text(json.dumps({"strategy": "deepspeed", "step": 2}))
+    run = tmp_path / "run"
+    proc = ranks.train(1, *NVME, f"run.dir={run}", f"resume={ckpt}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "dtlab: error: resuming a checkpoint under NVMe offload fails inside DeepSpeed (its "
+        "swapped state is not restored); fix: resume it with "
+        "strategy.deepspeed.offload_device=cpu, or start over with resume=none"]
+    assert [p.name for p in tmp_path.iterdir()] == ["step_000002"]  # no run.dir, no swap files
+    assert json.loads((ckpt / MANIFEST).read_text())["step"] == 2
