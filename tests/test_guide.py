@@ -248,7 +248,9 @@ def check_zero(w: Path, out: dict[str, str]) -> None:
     assert "advice: zero3+offload with activation checkpointing - 22.04 of 80.00 GB" in output_of(
         out, "advise --n-params 70e9")
     assert re.search(r"^ddp\s+14\.00\s+14\.00\s+28\.00\s+56\.00\s+112\.00\s",
-                     output_of(out, "dtlab estimate"), re.M)
+                     output_of(out, "dtlab estimate --n-params"), re.M)
+    assert re.search(r"^deepspeed:3 \(exact\)\s.*\s0\.16\s+0\.08\s",  # host, disk (NVMe)
+                     output_of(out, "offload_device=nvme"), re.M)
     assert summary(w, "runs/guide/zero3-offload")["steps"] == 10
 
 

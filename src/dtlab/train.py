@@ -295,6 +295,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
         raise
     finally:
         log.close()
+        strategy.close()
     return summary
 
 

@@ -46,6 +46,8 @@ def check_environment(cfg: Config) -> None:
         raise ConfigError(
             f"strategy.name={cfg.strategy.name} needs the {extra[0]} package; "
             f"fix: pip install 'dtlab[{extra[1]}]' (after the pinned torch), or choose another strategy")
+    if registry.of(cfg).environment is not None:
+        registry.of(cfg).environment(cfg)
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(
             "run.tensorboard=true needs the tensorboard package; "

@@ -30,6 +30,22 @@ def software() -> Iterator[Check]:
         return
     yield torch_build(torch)
     yield backends(torch)
+    yield nvme_offload()
+
+
+def nvme_offload() -> Check:
+    """DeepSpeed's async_io op, which NVMe offload (ZeRO-Infinity) needs: not built here (the
+    first NVMe run builds it), only looked for."""
+    from dtlab.config.strategies.deepspeed_aio import FIX, aio_status
+
+    state, found = aio_status()
+    if state == "no-deepspeed":
+        return skip("nvme-offload", f"{found} (only strategy deepspeed offloads to NVMe)")
+    if state == "no-libaio":
+        return warn("nvme-offload", found, "DeepSpeed's async_io op, which offload to nvme "
+                    "needs, links against libaio (other strategies and offloads work)",
+                    FIX.removeprefix("fix: "))
+    return ok("nvme-offload", found, state=state)
 
 
 def torch_build(torch) -> Check:  # noqa: ANN001 (the module)

@@ -112,7 +112,7 @@ def display_rows(rows: list[dict[str, Any]], scale: float) -> list[dict[str, Any
              "grads": mb(r["grads"]), "master": mb(r["master"]), "optim": mb(r["optimizer"]),
              "state": mb(r["state"]), "temp": mb(sum(r["temporaries"].values())),
              "activ": mb(r.get("activations", {}).get("peak")), "total": mb(r["device_total"]),
-             "host": mb(r["host"]), "comm/step": mb(r["comm"] and r["comm"]["traffic_bytes"]),
+             "host": mb(r["host"]), "disk": mb(r.get("disk", 0)), "comm/step": mb(r["comm"] and r["comm"]["traffic_bytes"]),
              "comm ms": "-" if not r["comm"] or r["comm"]["time_s"] is None
              else f"{r['comm']['time_s'] * 1e3:.1f}", **r.get("shown", {})} for r in rows]
 
@@ -125,6 +125,8 @@ LEGEND = ("per rank, {u}: params/grads/master/optim = training state (state = th
           "backward (activations.py); total = device memory at the peak (state not offloaded + "
           "temp + activ); host = offloaded state; comm/step = ring traffic sent per rank per step; "
           "comm ms = its predicted time, not overlapped")
+DISK = ("; disk = the swap files of NVMe offload (ZeRO-Infinity), exact; host then holds its "
+        "swap buffers and the tensors under 1 MiB it does not swap")
 SOURCES = ("state bytes: (measured) under torch's fake process-group backend, with dtlab's own "
            "strategy class and metrics.state_bytes; (exact) DeepSpeed's layout, modelled to the "
            "byte; unmarked: the ideal layout, modelled")
@@ -150,8 +152,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     top = max([abs(v) for r in rows for v in (r["device_total"], r["state"])] + [0.0])
     unit, scale = ("GB", 1e9) if top >= 1e9 else ("MB", 1e6)
     header("estimate", setup)
-    print(table(display_rows(rows, scale), COLUMNS))
-    print(textwrap.fill(LEGEND.format(u=unit), 100))
+    disk = any(r.get("disk") for r in rows)  # NVMe offload: a column for its swap files
+    columns = [*COLUMNS[:10], "disk", *COLUMNS[10:]] if disk else COLUMNS
+    print(table(display_rows(rows, scale), columns))
+    print(textwrap.fill(LEGEND.format(u=unit) + (DISK if disk else ""), 100))
     if any(r["exact"] for r in rows):
         print(textwrap.fill(SOURCES, 100))
     if setup.links:

@@ -197,8 +197,8 @@ def estimate(setup: Setup, token: str) -> dict[str, Any]:
         master = held.get("master_bytes", 0)  # DeepSpeed: inside optim_bytes, shown apart
         state = memory.State(held["param_bytes"], held["grad_bytes"], master,
                              held["optim_bytes"] - master, 0.0)
-        if "host_bytes" in held:  # DeepSpeed: what its offload keeps in host memory
-            state = replace(state, offloaded=held["host_bytes"])
+        if "host_bytes" in held:  # DeepSpeed: what its offload keeps in host memory (or on disk)
+            state = replace(state, offloaded=held["host_bytes"] + held.get("swapped_bytes", 0))
             plan = replace(plan, offload=plan.offload or held["host_bytes"] > 0)
         elif plan is not None and plan.offload:
             state = replace(state, offloaded=state.total)  # FSDP offloads all of its shards
@@ -207,7 +207,8 @@ def estimate(setup: Setup, token: str) -> dict[str, Any]:
         "shards": plan and plan.shards(world), "exact": per_rank is not None, "source": source,
         "params": state.params, "grads": state.grads, "master": state.master,
         "optimizer": state.optimizer, "state": state.total,
-        "host": state.offloaded + held.get("host_buffer_bytes", 0),
+        "host": state.offloaded - held.get("swapped_bytes", 0) + held.get("host_buffer_bytes", 0),
+        **({"disk": held["disk_bytes"]} if "disk_bytes" in held else {}),  # NVMe offload's files
         **({"per_rank": per_rank} if per_rank else {}), "temporaries": {}, "comm": None}
     if plan is None:  # tp, fsdp_tp, pp: the state is measured, the rest not modelled
         notes.append(f"{token}: temporaries, activations and communication of tensor and "

@@ -198,6 +198,10 @@ class Strategy:
         """The options that define this strategy's behaviour, for summary.json."""
         return {}
 
+    def close(self) -> None:
+        """At the end of a run, before the process group goes: release what the strategy holds
+        outside this process's memory (files). Nothing by default."""
+
 
 class StepEngine:
     """What one optimizer step does with a model and a torch optimizer, through the strategy's

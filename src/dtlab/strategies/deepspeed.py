@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO 1/2/3 (optionally offloaded to host memory) behind dtlab's strategy interface.
+"""DeepSpeed ZeRO 1/2/3 (optionally offloaded to host memory or NVMe) behind dtlab's strategy interface.
 
 The engine runs inside dtlab's loop: dtlab's process group (DeepSpeed sees it is initialised and
 neither re-initialises it nor looks for MPI), dtlab's data, dtlab's torch optimizer (DeepSpeed
@@ -29,12 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtlab.config.strategies.deepspeed_config import deepspeed_config
+from dtlab.config.strategies.deepspeed_config import deepspeed_config, nvme_offloads
 from dtlab.errors import ConfigError
 from dtlab.levers.optim import build_optimizer
 from dtlab.models import loss_fn
 from dtlab.process.environment import variables_set
+from dtlab.rundir.hints import start_over
 from dtlab.strategies import deepspeed_checkpoint as ds_checkpoint
+from dtlab.strategies import deepspeed_nvme as nvme
 from dtlab.strategies.base import DTYPES, LossHook, StepEngine, Strategy
 from dtlab.strategies.deepspeed_memory import held_bytes
 
@@ -73,12 +75,20 @@ class DeepSpeed(Strategy):
         self.layout = ds_checkpoint.layout(self.ds_config, self.ctx.world_size)
         # Before any collective: a checkpoint of another layout is refused by rank 0, in one line.
         ds_checkpoint.check_resume(self.cfg, self.layout)
+        if nvme_offloads(self.ds_config) and ds_checkpoint.resume_manifest(self.cfg) is not None:
+            raise ConfigError("resuming a checkpoint under NVMe offload fails inside DeepSpeed "
+                              "(its swapped state is not restored); fix: resume it with "
+                              "strategy.deepspeed.offload_device=cpu, or "
+                              f"{start_over(self.cfg.run.run_dir)}")
+        self.nvme = nvme.Swap.of(self.cfg, self.ds_config, self.ctx.rank)
         deepspeed = import_deepspeed(self.ctx.device, self.cfg.strategy.deepspeed.shm_comm)
         env = self.ctx.env  # DeepSpeed asserts LOCAL_RANK is set; a one-process run sets nothing
         for key, value in (("LOCAL_RANK", env.local_rank), ("RANK", env.rank),
                            ("WORLD_SIZE", env.world_size)):
             os.environ.setdefault(key, str(value))
         model = self.prepare(model)
+        if self.nvme:
+            self.nvme.fit_buffers(model, self.ctx.world_size)
         optimizer = build_optimizer(model.parameters(), self.cfg.train)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                config=self.ds_config, dist_init_required=False)
@@ -86,7 +96,7 @@ class DeepSpeed(Strategy):
         self.engine.set_gradient_accumulation_boundary(True)
         if self.precision != "fp32":
             cast_at_the_edges(self.engine.module, DTYPES[self.precision])
-        self.held = HeldBytes(self.engine)
+        self.held = HeldBytes(self.engine, self.nvme)
         return self.engine, optimizer
 
     def step_engine(self, model: nn.Module, forward: nn.Module,
@@ -116,6 +126,13 @@ class DeepSpeed(Strategy):
 
     def in_one_process(self) -> contextlib.AbstractContextManager[Any]:
         return deepspeed_in_one_process(self.ctx.env)
+
+    def close(self) -> None:
+        """NVMe offload: the engine is destroyed while the process group lives (DeepSpeed's swap
+        handles abort the process at exit otherwise), then this rank's swap files are removed."""
+        if getattr(self, "nvme", None) and hasattr(self, "engine"):
+            self.engine.destroy()
+            self.nvme.remove()
 
     def describe(self) -> dict[str, Any]:
         return {**self.cfg.strategy.deepspeed.model_dump(), "zero_stage": self.stage,
@@ -191,12 +208,15 @@ class HeldBytes:
 
     STEPS = 2
 
-    def __init__(self, engine: Any) -> None:
-        self.engine, self._peak = engine, {}
+    def __init__(self, engine: Any, swap: nvme.Swap | None = None) -> None:
+        self.engine, self.swap, self._peak = engine, swap, {}
 
     def record(self, event: str, step: int) -> None:
         if step <= self.STEPS:
-            for key, value in held_bytes(self.engine).items():
+            held = held_bytes(self.engine)
+            if self.swap:  # NVMe offload: this rank's swap files (disk, not memory)
+                held["disk_bytes"] = self.swap.bytes()
+            for key, value in held.items():
                 self._peak[key] = max(self._peak.get(key, 0), value)
 
     def peak(self) -> dict[str, int]:

@@ -147,7 +147,7 @@ def load(engine: Any, stage: int, rank: int, model_sd: dict[str, Any],
 
 
 # ----------------------------------------------------------------- refusing another layout
-def _resume_manifest(cfg: Config) -> tuple[Path, dict[str, Any]] | None:
+def resume_manifest(cfg: Config) -> tuple[Path, dict[str, Any]] | None:
     """The manifest of the checkpoint a resume would read (resume=auto: the newest complete one),
     None when there is none or it cannot be read (the resume then says why)."""
     if cfg.resume == "none":
@@ -167,7 +167,7 @@ def check_resume(cfg: Config, current: dict[str, Any]) -> None:
     """Refuse, in one line, to resume from a checkpoint whose optimizer state is not in this run's
     layout: another strategy's (per-parameter state), another ZeRO stage, world size or
     partitioning."""
-    found = _resume_manifest(cfg)
+    found = resume_manifest(cfg)
     if found is None:
         return
     path, manifest = found

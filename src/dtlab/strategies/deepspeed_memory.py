@@ -33,13 +33,15 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from dtlab.config.strategies.deepspeed_config import NVME_PARAM_BUFFERS
 from dtlab.config.strategies.spec import Config
 from dtlab.errors import DtlabError
+from dtlab.strategies.deepspeed_swap import MIN_AIO_BYTES, SwapOptions, swap_bytes
 
 MASTER = {"single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_partitioned_groups"}
 GRADS = {"averaged_gradients", "all_grad_tensors", "grads_in_partition", "grad_partitions_flat_buffer",
@@ -142,6 +144,7 @@ class ZeroOptions:
     persistence_threshold: int = 100_000
     model_persistence_threshold: int = 2**63 - 1
     sub_group_size: int = 1_000_000_000
+    swap: SwapOptions = SwapOptions()  # NVMe offload (deepspeed_swap.py)
 
 
 def zero_options(cfg: Config, world: int, device: str = "cpu") -> ZeroOptions:
@@ -160,12 +163,20 @@ def zero_options(cfg: Config, world: int, device: str = "cpu") -> ZeroOptions:
         if value not in (None, cfg.train.precision):
             raise DtlabError(f"{key} other than the working dtype has no exact layout; fix: "
                              "remove it from the DeepSpeed JSON to estimate")
-    offloaded = {}
+    offloaded, nvme = {}, {}
     for key in ("offload_optimizer", "offload_param"):
-        offloaded[key] = (zero.get(key) or {}).get("device", "none") not in (None, "none")
-        if (zero.get(key) or {}).get("device") == "nvme":
-            raise DtlabError(f"zero_optimization.{key}.device=nvme: no exact layout for NVMe "
-                             "offload; fix: estimate with device cpu or none")
+        section = zero.get(key) or {}
+        offloaded[key] = section.get("device", "none") not in (None, "none")
+        if section.get("device") == "nvme":
+            nvme[key] = section
+    aio, param = ds.get("aio") or {}, nvme.get("offload_param", {})
+    swap = SwapOptions(
+        params="offload_param" in nvme, optimizer="offload_optimizer" in nvme,
+        param_buffer_count=int(param.get("buffer_count", 5)),  # DeepSpeed's defaults
+        param_buffer_size=int(param.get("buffer_size", 100_000_000)),
+        optimizer_buffer_count=int(nvme.get("offload_optimizer", {}).get("buffer_count", 4)),
+        block_size=int(aio.get("block_size", MIN_AIO_BYTES)),
+        intra_op_parallelism=int(aio.get("intra_op_parallelism", 1)))
 
     def get(default: Any, *names: str) -> Any:  # the first name set, else the default
         return next((zero[n] for n in names if zero.get(n) is not None), default)
@@ -179,7 +190,7 @@ def zero_options(cfg: Config, world: int, device: str = "cpu") -> ZeroOptions:
                                       "stage3_param_persistence_threshold")),
         model_persistence_threshold=int(get(2**63 - 1, "model_persistence_threshold",
                                             "stage3_model_persistence_threshold")),
-        sub_group_size=int(get(1_000_000_000, "sub_group_size")))
+        sub_group_size=int(get(1_000_000_000, "sub_group_size")), swap=swap)
 
 
 def optimizer_state(numel: int, optimizer: str, momentum: float, flats: int = 1) -> int:
@@ -242,16 +253,18 @@ def persistent(numels: list[int], o: ZeroOptions) -> list[bool]:
     return out
 
 
-def sub_groups(parts: list[int], size: int) -> int:
-    """Consecutive tensors until `size` partition elements make a group."""
+def sub_groups(parts: list[int], size: int) -> list[list[int]]:
+    """The tensors (indices) of each optimizer sub group: consecutive tensors until `size`
+    partition elements make a group."""
     if size >= sum(parts):
-        return 1
-    groups, run = 0, 0
+        return [list(range(len(parts)))]
+    groups, run = [[]], 0
     for i, p in enumerate(parts):
+        groups[-1].append(i)
         run += p
-        if run >= size or i == len(parts) - 1:
-            groups, run = groups + 1, 0
-    return groups
+        if (run >= size or i == len(parts) - 1) and groups[-1]:
+            groups, run = [*groups, []], 0
+    return [g for g in groups if g]
 
 
 def stage3(numels: list[int], o: ZeroOptions, world: int, elem: int, optimizer: str,
@@ -259,8 +272,8 @@ def stage3(numels: list[int], o: ZeroOptions, world: int, elem: int, optimizer: 
     parts = [math.ceil(n / world) for n in numels]
     local = sum(parts)
     gathered = sum(p * world for p, keep in zip(parts, persistent(numels, o), strict=True) if keep)
-    master = MASTER_ELEM * local
-    state = optimizer_state(local, optimizer, momentum, sub_groups(parts, o.sub_group_size))
+    master, groups = MASTER_ELEM * local, sub_groups(parts, o.sub_group_size)
+    state = optimizer_state(local, optimizer, momentum, len(groups))
     grads, host = local * elem, 0  # grad_partitions_flat_buffer
     if o.offload_optimizer:
         host += master + state + grads + MASTER_ELEM * local
@@ -271,6 +284,16 @@ def stage3(numels: list[int], o: ZeroOptions, world: int, elem: int, optimizer: 
             "optim_bytes": master + state, "master_bytes": master,
             "buffer_bytes": o.reduce_bucket_size * elem if o.contiguous_gradients else 0,
             "host_bytes": host, "host_buffer_bytes": 0, "backward_buffer_bytes": 0}
+    if o.swap.params or o.swap.optimizer:  # NVMe: part of the host's share goes to disk
+        states = 2 if optimizer == "adamw" else int(momentum > 0)
+        sw = o.swap  # dtlab's default buffer grows to the largest partition (deepspeed_nvme.py)
+        if sw.params and sw.param_buffer_size == NVME_PARAM_BUFFERS["buffer_size"]:
+            sw = replace(sw, param_buffer_size=max(sw.param_buffer_size, *parts))
+        swap = swap_bytes(parts, persistent(numels, o), groups, elem, states, sw)
+        rank.update(disk_bytes=swap["disk"], swapped_bytes=swap["moved"],
+                    host_bytes=host - swap["moved"],
+                    host_buffer_bytes=swap["buffers"],
+                    buffer_bytes=rank["buffer_bytes"] + swap["buffers"])
     return [{**rank, "rank": r} for r in range(world)]  # every rank holds a part of every tensor
 
 

@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 DEFAULT_STAGE = 2
 # strategy.deepspeed.<option> -> zero_optimization.<key>, for the options that map one to one.
 ZERO_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients")
+OFFLOADS = ("offload_optimizer", "offload_param")
+# ZeRO-Infinity's defaults (docs/zero.md): parameter swap buffers, buffer_count x buffer_size
+# elements (a partition must fit one buffer, and a module's parameters must all find one at once;
+# DeepSpeed's 5 x 1e8 hold 1 GB in bf16), and no prefetch (seen to fail at the second step with
+# small buffers: "already assigned swap buffer id"); a JSON's own values are kept.
+NVME_PARAM_BUFFERS = {"buffer_count": 16, "buffer_size": 2_000_000}
+PREFETCH_KEYS = ("stage3_prefetch_bucket_size", "prefetch_bucket_size")
 
 
 def read_json(path: str) -> dict[str, Any]:
@@ -105,7 +112,7 @@ def deepspeed_config(cfg: Config, world_size: int, device_type: str = "cpu") -> 
         value = getattr(o, key)
         if value is not None:
             _agree(zero, key, value, "zero_optimization.", f"strategy.deepspeed.{key}", source)
-    for key in ("offload_optimizer", "offload_param"):
+    for key in OFFLOADS:
         wanted, present = getattr(o, key), _offload(zero, key)
         if wanted is not None and key in zero and wanted != present:
             device = json.dumps((zero[key] or {}).get("device"))
@@ -113,17 +120,32 @@ def deepspeed_config(cfg: Config, world_size: int, device_type: str = "cpu") -> 
                 f"{source} sets zero_optimization.{key}.device={device} but "
                 f"strategy.deepspeed.{key}={str(wanted).lower()}; fix: make them agree")
         if wanted and not present:
-            zero[key] = {"device": "cpu"}
+            zero[key] = {"device": o.offload_device or "cpu"}
         if _offload(zero, key):
             if key == "offload_param" and stage != 3:
                 raise ConfigError(f"zero_optimization.offload_param needs ZeRO stage 3 (this run: "
                                   f"stage {stage}); fix: strategy.deepspeed.zero_stage=3")
+            device = zero[key]["device"]
+            if o.offload_device is not None and device != o.offload_device:
+                raise ConfigError(
+                    f"{source} sets zero_optimization.{key}.device={json.dumps(device)} but "
+                    f"strategy.deepspeed.offload_device={o.offload_device}; fix: make them agree")
+            if device == "nvme":
+                nvme_defaults(cfg, zero, key, stage, source)
             if device_type != "cuda":  # pinning host memory needs an accelerator
                 if zero[key].get("pin_memory"):
                     raise ConfigError(f"zero_optimization.{key}.pin_memory=true fails without a GPU; "
                                       "fix: set it false (or remove it) in the JSON")
                 zero[key]["pin_memory"] = False
 
+    if o.nvme_path is not None and not nvme_offloads(ds):
+        raise ConfigError(f"strategy.deepspeed.nvme_path={o.nvme_path} but nothing is offloaded "
+                          "to nvme; fix: also set strategy.deepspeed.offload_device=nvme (with "
+                          "offload_param and/or offload_optimizer), or remove nvme_path")
+    if o.offload_device == "nvme" and not any(_offload(zero, k) for k in OFFLOADS):
+        raise ConfigError("strategy.deepspeed.offload_device=nvme but nothing is offloaded; fix: "
+                          "also set strategy.deepspeed.offload_param=true and/or "
+                          "offload_optimizer=true (with zero_stage=3)")
     # dtlab hands DeepSpeed a torch SGD/AdamW: allowed under ZeRO, and kept under offload (no
     # compiled DeepSpeedCPUAdam, see docs/zero.md).
     ds["zero_allow_untested_optimizer"] = True
@@ -139,3 +161,46 @@ def zero_stage(cfg: Config) -> int:
         return o.zero_stage
     zero = (read_json(o.config) if o.config else {}).get("zero_optimization") or {}
     return int(zero.get("stage", DEFAULT_STAGE))
+
+
+def nvme_path(cfg: Config, zero: dict[str, Any] | None = None) -> str:
+    """The directory of the swap files: strategy.deepspeed.nvme_path, else the JSON's, else
+    <run.dir>/nvme (inside the run, removed at its end)."""
+    o = cfg.strategy.deepspeed
+    if o.nvme_path is not None:
+        return o.nvme_path
+    for key in OFFLOADS:
+        path = ((zero or {}).get(key) or {}).get("nvme_path")
+        if path:
+            return str(path)
+    return str(cfg.run.run_dir / "nvme")
+
+
+def nvme_defaults(cfg: Config, zero: dict[str, Any], key: str, stage: int, source: str) -> None:
+    """Fill zero[key] (device nvme) with the swap directory and the defaults that work."""
+    if stage != 3:
+        raise ConfigError(f"zero_optimization.{key}.device=nvme needs ZeRO stage 3 (this run: "
+                          f"stage {stage}); fix: strategy.deepspeed.zero_stage=3")
+    if cfg.train.checkpoint_every:
+        raise ConfigError(
+            f"train.checkpoint_every={cfg.train.checkpoint_every} with NVMe offload: dtlab's "
+            "DeepSpeed checkpoints do not cover the state NVMe offload keeps in its swap files "
+            "(resuming one fails inside DeepSpeed); fix: train.checkpoint_every=0 "
+            "(run.save_model=true still writes the trained weights), or "
+            "strategy.deepspeed.offload_device=cpu")
+    section = zero[key]
+    if cfg.strategy.deepspeed.nvme_path is not None:
+        _agree(section, "nvme_path", cfg.strategy.deepspeed.nvme_path, f"zero_optimization.{key}.",
+               "strategy.deepspeed.nvme_path", source)
+    section.setdefault("nvme_path", nvme_path(cfg, zero))
+    if key == "offload_param":
+        for name, value in NVME_PARAM_BUFFERS.items():
+            section.setdefault(name, value)
+    if all(zero.get(name) is None for name in PREFETCH_KEYS):
+        zero["stage3_prefetch_bucket_size"] = 0
+
+
+def nvme_offloads(ds: dict[str, Any]) -> list[str]:
+    """The zero_optimization sections (offload_param, offload_optimizer) that go to NVMe."""
+    zero = ds.get("zero_optimization") or {}
+    return [k for k in OFFLOADS if (zero.get(k) or {}).get("device") == "nvme"]

@@ -26,6 +26,10 @@ class DeepSpeedOptions(Section):
     zero_stage: Literal[1, 2, 3] | None = None  # None: the JSON's, else 2
     offload_optimizer: bool | None = None  # optimizer state + fp32 master weights in host memory
     offload_param: bool | None = None  # parameters in host memory (ZeRO 3 only)
+    # Where the offloaded state goes: host memory, or files on an NVMe disk (ZeRO-Infinity, ZeRO 3
+    # only, needs libaio; see docs/zero.md). None: the JSON's device, else cpu.
+    offload_device: Literal["cpu", "nvme"] | None = None
+    nvme_path: str | None = None  # the swap files' directory; None: the JSON's, else <run.dir>/nvme
     reduce_bucket_size: PositiveInt | None = None  # elements per gradient reduction bucket
     allgather_bucket_size: PositiveInt | None = None  # elements per all-gather (ZeRO 1/2)
     overlap_comm: bool | None = None  # reduce gradients while the backward pass goes on
@@ -49,6 +53,12 @@ def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
     deepspeed_config(cfg, world_size, device_type(cfg))  # refuses contradictions
 
 
+def environment(cfg: Config) -> None:
+    from dtlab.config.strategies.deepspeed_aio import check
+
+    check(cfg)  # NVMe offload: the swap directory and DeepSpeed's async_io op
+
+
 def layout(cfg: Config) -> str:
     from dtlab.config.strategies.deepspeed_config import zero_stage
 
@@ -64,6 +74,6 @@ SPEC = StrategySpec(
     name="deepspeed", impl="deepspeed:DeepSpeed", about="DeepSpeed ZeRO stage 1, 2 or 3",
     options=DeepSpeedOptions, variant=("strategy.deepspeed.zero_stage", ("1", "2", "3"),
                                         "its ZeRO stage (deepspeed:1, :2 or :3)"),
-    extra=("deepspeed", "deepspeed"), check=check, label=label, layout=layout,
+    extra=("deepspeed", "deepspeed"), check=check, environment=environment, label=label, layout=layout,
     memory_model="deepspeed_memory", master_weights=True,
 )

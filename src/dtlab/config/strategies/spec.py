@@ -36,6 +36,8 @@ class StrategySpec:
     # Checks at load time (no world size) and before launching (with it); both raise ConfigError.
     validate: Callable[[Config], None] | None = None
     check: Callable[[Config, int, int | None], None] | None = None
+    # Checks of this machine (files, compiled ops) before launching and in each worker
+    environment: Callable[[Config], None] | None = None
     # Ranks that hold one copy of the model between them (1: every rank is a data-parallel replica)
     model_parallel: Callable[[Config, int], int] | None = None
     # summary.json's strategy_options -> the name results show (the `compare --strategies` spec)
