@@ -70,8 +70,26 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
         else:
             overlapped.append(t)
         work.wait()
+    # the other side: the collective while the rank computes (small matmuls, to poll it often)
+    c, d = torch.randn(args.poll_n, args.poll_n), torch.randn(args.poll_n, args.poll_n)
+    comm = torch.ones(args.comm_bytes // 4)
+    comm_alone, comm_overlapped = [], []
+    for _ in range(args.repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(comm)
+        comm_alone.append(time.perf_counter() - t0)
+        dist.barrier()
+        t0, done = time.perf_counter(), None
+        work = dist.all_reduce(comm, async_op=True)
+        while done is None:
+            c @ d
+            if work.is_completed():
+                done = time.perf_counter() - t0
+        comm_overlapped.append(done)
     result = {"rank": rank, "threads": threads, "alone_s": alone, "overlapped_s": overlapped,
-              "dropped": dropped}
+              "dropped": dropped, "comm_alone_s": comm_alone,
+              "comm_overlapped_s": comm_overlapped}
     Path(f"{out}.{rank}").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -85,6 +103,10 @@ def main() -> None:
     p.add_argument("--bytes", type=lambda s: int(float(s.rstrip("M")) * (1 << 20))
                    if s.endswith("M") else int(s), default=64 << 20,
                    help="all_reduce size in flight during the block (64M, or bytes)")
+    p.add_argument("--comm-bytes", type=int, default=4 << 20,
+                   help="all_reduce size timed alone and while the rank computes")
+    p.add_argument("--poll-n", type=int, default=192,
+                   help="matrix size of the compute that polls that all_reduce")
     p.add_argument("--json", help="write the raw samples and the result here")
     args = p.parse_args()
 
@@ -110,6 +132,14 @@ def main() -> None:
               f"with an all_reduce in flight {over * 1e3:.2f} ms -> slowdown "
               f"{100 * (over / alone - 1):+.1f}% ({len(r['overlapped_s'])} overlapped samples, "
               f"{r['dropped']} dropped: the all_reduce had finished)")
+    comm_per_rank = []
+    for r in ranks:
+        alone, over = statistics.median(r["comm_alone_s"]), statistics.median(r["comm_overlapped_s"])
+        comm_per_rank.append(over / alone - 1)
+        print(f"rank {r['rank']}: all_reduce of {args.comm_bytes} B alone {alone * 1e3:.2f} ms, "
+              f"while it computes {over * 1e3:.2f} ms -> comm slowdown {100 * (over / alone - 1):+.1f}%")
+    comm_slowdown = statistics.mean(comm_per_rank)
+    print(f"comm_overlap_slowdown: {comm_slowdown:.3f} (mean of the ranks)")
     slowdown = statistics.mean(per_rank)
     print(f"overlap_slowdown: {slowdown:.3f} (mean of the ranks; {WORLD} gloo ranks, torch "
           f"{torch.__version__}, {os.cpu_count()} CPUs, load average {load_before[0]:.2f} "
@@ -117,6 +147,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"overlap_slowdown": slowdown, "per_rank": per_rank, "ranks": ranks,
+             "comm_overlap_slowdown": comm_slowdown, "comm_per_rank": comm_per_rank,
              "load_average": [load_before[0], load_after[0]], "torch": torch.__version__,
              "args": {k: v for k, v in vars(args).items() if k != "json"}}, indent=2) + "\n")
 

@@ -323,3 +323,30 @@ def test_unknown_peak_for_a_dtype_is_refused_in_one_line(tmp_path: Path) -> None
     with pytest.raises(ConfigError) as e:
         compute_seconds(Compute("forward", flops=1e9), load_cluster(path), "bf16", 1)
     assert one_line(e).endswith(f"add peak_tflops.bf16 with its source to {path}")
+
+
+# ------------------------------------------------------------------------------ sync cost
+def test_sync_cost_is_added_to_collectives_that_follow_compute() -> None:
+    """The cpu cluster's sync cost (per number of ranks) is added to a collective that follows
+    the rank's own compute, once for a run of calls issued back to back, never to messages."""
+    from dataclasses import replace
+
+    from dtlab.predict.events import Wait, mark_after_compute
+
+    c = load_cluster("cpu_gloo")
+    assert c.intra.sync_s and c.intra.sync_for(2) > 0 and c.intra.sync_for(8) == c.intra.sync_for(4)
+    gather = Issue(1, "all_gather", 1 << 20, (0, 1))
+    alone, _ = comm_seconds(gather, c, 2)
+    after, _ = comm_seconds(replace(gather, after_compute=True), c, 2)
+    assert after == pytest.approx(alone + c.intra.sync_for(2))
+    send = Issue(2, "send", 1 << 20, (0, 1), after_compute=True)
+    assert comm_seconds(send, c, 2)[0] == comm_seconds(replace(send, after_compute=False), c, 2)[0]
+    events = [Compute("optimizer", seconds=1e-3), Issue(1, "broadcast", 64, (0, 1)),
+              Compute("optimizer", seconds=1e-5), Issue(2, "broadcast", 64, (0, 1)), Wait(1),
+              Compute("forward", flops=1e6), Issue(3, "all_reduce", 64, (0, 1)), Wait(3),
+              Issue(4, "all_reduce", 64, (0, 1))]
+    marked = [e.after_compute for e in mark_after_compute(events) if isinstance(e, Issue)]
+    assert marked == [True, False, True, False]
+    gpu = load_cluster("h100_sxm_8x")  # not measured there: nothing added
+    big = Issue(1, "all_reduce", 1 << 20, tuple(range(8)))
+    assert comm_seconds(replace(big, after_compute=True), gpu, 8) == comm_seconds(big, gpu, 8)

@@ -345,3 +345,25 @@ def test_sharing_and_overlap_slowdown_multiply():
     # 1 s of comm: 1/3 s of work at 3x; then 2/3 s of work at 2x alone
     assert tl.step_s == pytest.approx(1.0 + 4 / 3)
     assert tl.slowdown_s == pytest.approx(1.0 / 3)
+
+
+def test_communication_runs_slower_while_its_rank_computes():
+    """A collective in flight while its rank computes runs (1 + comm_slowdown) x slower; once the
+    rank waits for it, at full speed: 1 s of work, 0.5 s overlapped at 3x, the rest after."""
+    traces = {0: Trace(rank=0, world=WORLD, events=[coll(0, 1.0), comp(1.5), Wait(0)])}
+    tl = simulate(traces, compute_s, comm_s, 0.0, comm_slowdown=2.0)
+    # in 1.5 s of compute the call does 0.5 s of its work; its last 0.5 s run alone
+    assert tl.step_s == pytest.approx(2.0)
+    assert tl.exposed == {"all_reduce@intra": pytest.approx(0.5)}
+    assert tl.busy == {"all_reduce@intra": pytest.approx(2.0)}
+    plain = simulate(traces, compute_s, comm_s, 0.0)
+    assert plain.step_s == pytest.approx(1.5) and plain.exposed == {}
+
+
+def test_two_lanes_run_back_to_back_collectives_together():
+    """With two collectives in flight at once (gloo's two threads), four calls issued back to
+    back take two calls' time; with one lane (NCCL's stream), four."""
+    events = {0: [coll(i, 1.0) for i in range(4)] + [Wait(i) for i in range(4)]}
+    traces = {r: Trace(rank=r, world=WORLD, events=ev) for r, ev in events.items()}
+    assert simulate(traces, compute_s, comm_s, lanes=2).step_s == pytest.approx(2.0)
+    assert simulate(traces, compute_s, comm_s).step_s == pytest.approx(4.0)

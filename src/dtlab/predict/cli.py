@@ -190,8 +190,13 @@ def sources(rows: list[dict[str, Any]], cluster: Any) -> str:
     links = {"intra": cluster.intra, "inter": cluster.inter}
     lines = [f"compute: {'; '.join(compute) or '-'}"]
     lines += [f"{t}-node links: {links[t].source.split(':')[0].strip()}" for t in tiers if t in links]
-    lines.append(f"peak: {rows[0]['peak_source']}; overlap slowdown "
-                 f"{cluster.overlap_slowdown:g} ({cluster.overlap_slowdown_source.split(':')[0].strip()})")
+    lines.append(f"peak: {rows[0]['peak_source']}")
+    for what, value, source in (
+            ("compute overlapping communication", cluster.overlap_slowdown,
+             cluster.overlap_slowdown_source),
+            ("communication overlapping compute", cluster.comm_overlap_slowdown,
+             cluster.comm_overlap_slowdown_source)):
+        lines.append(f"{what}: {1 + value:.3g}x slower ({source.split(':')[0].strip()})")
     return "\n".join(textwrap.shorten(line, 200) for line in lines)
 
 

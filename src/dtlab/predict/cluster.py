@@ -8,7 +8,8 @@ h100_sxm_8x` works from an installed wheel as from a checkout); configs/clusters
 repository is a link to that directory, the place the docs name. A file holds: the device and
 its memory, GPUs per node, peak TFLOP/s per dtype (or `measure`: a float32 matmul measured on
 this CPU at prediction time), HBM bandwidth, the intra- and inter-node links, the roofline's
-compute_efficiency and the overlap_slowdown, each with its `*_source`. Bandwidths follow
+compute_efficiency, the overlap_slowdown (compute while communication runs) and the
+comm_overlap_slowdown (communication while compute runs), each with its `*_source`. Bandwidths follow
 nccl-tests' bus-bandwidth convention (price.py). A link is either a bus bandwidth and a latency,
 or `comm_results:` a `dtlab comm --json` (or --csv) file, relative to the cluster file, whose
 alpha-beta fit (dtlab/comm/model.py) prices it; a fit that model refuses is refused here, when
@@ -54,6 +55,8 @@ class Link:
     source: str
     fit: dict[str, dict[str, Any]] | None = None  # the fit of the fewest ranks measured
     by_world: dict[int, dict[str, dict[str, Any]]] | None = None  # every fit, by its ranks
+    sync_s: dict[int, float] | None = None  # a collective's cost inside a step beyond its fit
+    sync_source: str = ""
 
     def fit_for(self, n: int) -> dict[str, dict[str, Any]] | None:
         """The fit measured on the most ranks up to n (the fewest measured, below them): on
@@ -61,8 +64,17 @@ class Link:
         terms (their threads share the cores)."""
         if not self.by_world:
             return self.fit
-        below = [w for w in sorted(self.by_world) if w <= n]
-        return self.by_world[below[-1] if below else min(self.by_world)]
+        return self.by_world[_nearest_below(self.by_world, n)]
+
+    def sync_for(self, n: int) -> float:
+        """What a collective of n ranks costs inside a step beyond its price alone (0: not
+        measured), from the measurement on the most ranks up to n."""
+        return self.sync_s[_nearest_below(self.sync_s, n)] if self.sync_s else 0.0
+
+
+def _nearest_below(by_ranks: dict[int, Any], n: int) -> int:
+    below = [w for w in sorted(by_ranks) if w <= n]
+    return below[-1] if below else min(by_ranks)
 
 
 @dataclass
@@ -79,7 +91,11 @@ class Cluster:
     compute_efficiency: float  # the roofline's fraction of peak: an assumption, stated
     overlap_slowdown: float  # compute runs (1 + this) x slower while communication runs
     overlap_slowdown_source: str
+    comm_overlap_slowdown: float  # communication runs (1 + this) x slower while compute runs
+    comm_overlap_slowdown_source: str
     cores: int | None  # CPU: cores the ranks of a node share (None: a device per rank)
+    collectives_at_once: int = 1  # a rank's collectives in flight together (gloo: its threads)
+    collectives_at_once_source: str = "one at a time: NCCL runs a communicator's on one stream"
     notes: str = ""
     memory_source: str = ""
     hbm_source: str = ""
@@ -92,12 +108,29 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _ResultsSpec(_Strict):
+    """One dtlab comm file of a link, with the fits it trusts (else the link's `fits`)."""
+
+    file: _Source
+    fits: list[Literal[FIT_OPS]] | None = None  # type: ignore[valid-type]
+
+
 class _LinkSpec(_Strict):
     busbw_gb_per_s: _Positive | None = None
     latency_us: _NonNegative | None = None
-    comm_results: str | list[str] | None = None  # one file per number of ranks measured
+    comm_results: str | list[str | _ResultsSpec] | None = None  # a file per number of ranks
     fits: list[Literal[FIT_OPS]] | None = None  # type: ignore[valid-type]
+    sync_us: _NonNegative | dict[Annotated[int, Field(ge=2)], _NonNegative] | None = None
+    sync_source: _Source | None = None
     source: _Source
+
+    @model_validator(mode="after")
+    def _sync_sourced(self) -> _LinkSpec:
+        if (self.sync_us is None) != (self.sync_source is None):
+            raise ValueError("gives one of sync_us and sync_source; fix: give both (the cost of "
+                             "a collective inside a step, benchmarks/sync_cost.py, and where it "
+                             "comes from) or neither")
+        return self
 
     @model_validator(mode="after")
     def _one_form(self) -> _LinkSpec:
@@ -129,6 +162,11 @@ class _ClusterSpec(_Strict):
     compute_efficiency_source: _Source
     overlap_slowdown: Annotated[float, Field(ge=0, le=10, strict=True, allow_inf_nan=False)]
     overlap_slowdown_source: _Source
+    comm_overlap_slowdown: Annotated[float, Field(ge=0, le=100, strict=True,
+                                                  allow_inf_nan=False)]
+    comm_overlap_slowdown_source: _Source
+    collectives_at_once: Annotated[int, Field(ge=1, le=64, strict=True)] = 1
+    collectives_at_once_source: _Source | None = None
     cores: Annotated[int, Field(gt=0, strict=True)] | Literal["machine"] | None
     intra: _LinkSpec
     inter: _LinkSpec
@@ -187,6 +225,11 @@ def load_cluster(name_or_path: str) -> Cluster:
         compute_efficiency_source=spec.compute_efficiency_source,
         overlap_slowdown=spec.overlap_slowdown,
         overlap_slowdown_source=spec.overlap_slowdown_source,
+        comm_overlap_slowdown=spec.comm_overlap_slowdown,
+        comm_overlap_slowdown_source=spec.comm_overlap_slowdown_source,
+        collectives_at_once=spec.collectives_at_once,
+        **({"collectives_at_once_source": spec.collectives_at_once_source}
+           if spec.collectives_at_once_source else {}),
         cores=len(cpu_set()) if spec.cores == "machine" else spec.cores,
         notes=spec.notes, path=path)
 
@@ -204,15 +247,19 @@ def _memory_bytes(memory_gb: float | str, path: Path) -> int:
 def _link(spec: _LinkSpec, path: Path, key: str) -> Link:
     if spec.comm_results is None:
         assert spec.busbw_gb_per_s is not None and spec.latency_us is not None
-        return Link(spec.busbw_gb_per_s * 1e9, spec.latency_us * 1e-6, spec.source)
-    names = [spec.comm_results] if isinstance(spec.comm_results, str) else spec.comm_results
-    if not names:
+        return Link(spec.busbw_gb_per_s * 1e9, spec.latency_us * 1e-6, spec.source,
+                    **_sync(spec))
+    entries = [spec.comm_results] if isinstance(spec.comm_results, str) else spec.comm_results
+    if not entries:
         raise ConfigError(f"cluster file '{path}': {key}.comm_results is an empty list; fix: "
                           "name a dtlab comm --json file (or one per number of ranks)")
     by_world: dict[int, dict[str, dict[str, Any]]] = {}
-    for name in names:
+    names = []
+    for entry in entries:
+        name, fits = (entry, spec.fits) if isinstance(entry, str) else (entry.file, entry.fits)
+        names.append(name)
         results = path.parent / name if not Path(name).is_absolute() else Path(name)
-        used = _used_fits(spec, _fit_of(results, path, key), results, path, key)
+        used = _used_fits(fits, _fit_of(results, path, key), results, path, key)
         worlds = sorted({m["world_size"] for m in used.values()})
         if len(worlds) != 1 or worlds[0] in by_world:
             what = "several numbers of ranks" if len(worlds) != 1 else \
@@ -221,15 +268,24 @@ def _link(spec: _LinkSpec, path: Path, key: str) -> Link:
                               f"{what}; fix: one dtlab comm --json file per number of ranks")
         by_world[worlds[0]] = used
     ops = sorted({op for used in by_world.values() for op in used})
-    worlds = ", ".join(str(w) for w in sorted(by_world))
-    return Link(None, None, f"{spec.source} (alpha-beta fit of {', '.join(names)} on {worlds} "
-                f"ranks: {', '.join(ops)})", fit=by_world[min(by_world)], by_world=by_world)
+    worlds_text = ", ".join(str(w) for w in sorted(by_world))
+    return Link(None, None, f"{spec.source} (alpha-beta fit of {', '.join(names)} on "
+                f"{worlds_text} ranks: {', '.join(ops)})", fit=by_world[min(by_world)],
+                by_world=by_world, **_sync(spec))
 
 
-def _used_fits(spec: _LinkSpec, fitted: dict[str, dict[str, Any]], results: Path, path: Path,
-               key: str) -> dict[str, dict[str, Any]]:
-    used = {op: m for op, m in fitted.items() if spec.fits is None or op in spec.fits}
-    for op in spec.fits or []:
+def _sync(spec: _LinkSpec) -> dict[str, Any]:
+    if spec.sync_us is None:
+        return {}
+    by_ranks = spec.sync_us if isinstance(spec.sync_us, dict) else {2: spec.sync_us}
+    return {"sync_s": {n: us * 1e-6 for n, us in by_ranks.items()},
+            "sync_source": spec.sync_source or ""}
+
+
+def _used_fits(fits: list[str] | None, fitted: dict[str, dict[str, Any]], results: Path,
+               path: Path, key: str) -> dict[str, dict[str, Any]]:
+    used = {op: m for op, m in fitted.items() if fits is None or op in fits}
+    for op in fits or []:
         if op not in fitted:
             raise ConfigError(f"cluster file '{path}': {key}.fits names {op}, which {results} "
                               f"does not measure ({', '.join(fitted)}); fix: remove it from "

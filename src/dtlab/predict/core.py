@@ -183,7 +183,9 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
         record.add(token, traces[min(traces)])
     compute_s, comm_s, sources = pricing(req, cfg, token)
     cores = core_share(req, traces, notes)
-    timeline = simulate(traces, compute_s, comm_s, req.cluster.overlap_slowdown, cores=cores)
+    timeline = simulate(traces, compute_s, comm_s, req.cluster.overlap_slowdown, cores=cores,
+                        comm_slowdown=req.cluster.comm_overlap_slowdown,
+                        lanes=req.cluster.collectives_at_once)
     step_s = timeline.step_s + req.loop_s
     spec = spec_for(cfg)
     samples = cfg.train.global_batch_size / step_s

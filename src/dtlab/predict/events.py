@@ -16,7 +16,7 @@ output; reduce_scatter: the whole input; all_to_all: the whole buffer; send/recv
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 PHASES = ("forward", "backward", "recompute", "optimizer", "other")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
@@ -48,6 +48,9 @@ class Issue:
     # sits on the compute's critical path; the others (DDP, FSDP, ZeRO) on the wrappers' own
     # buffers, which a GPU's side streams run ahead or behind the compute (streams.py)
     functional: bool = False
+    # The rank computed on its own since its last Issue or Wait (mark_after_compute): the ranks
+    # come to this call out of step, as to the first of a run of calls issued back to back
+    after_compute: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,3 +76,24 @@ class Trace:
 
     def computes(self) -> list[Compute]:
         return [e for e in self.events if isinstance(e, Compute)]
+
+
+ON_ITS_OWN_S = 50e-6  # compute shorter than this between two calls cannot put ranks out of step
+
+
+def mark_after_compute(events: list[Event]) -> list[Event]:
+    """The events with `after_compute` set on each Issue that follows compute of the rank's own
+    since its last Issue or Wait: at least ON_ITS_OWN_S measured, or FLOPs counted where the
+    trace has no seconds (price.py adds a link's sync cost to those)."""
+    out: list[Event] = []
+    seconds, flops = 0.0, 0.0
+    for e in events:
+        if isinstance(e, Compute):
+            seconds += e.seconds or 0.0
+            flops += e.flops
+        elif isinstance(e, Issue | Wait):
+            if isinstance(e, Issue):
+                e = replace(e, after_compute=seconds >= ON_ITS_OWN_S if seconds else flops > 0)
+            seconds, flops = 0.0, 0.0
+        out.append(e)
+    return out

@@ -32,6 +32,14 @@ groups working in parallel) carry 1/g of it, each at the slower tier's busbw per
 
 With one rank of the group per node (g = 1: HSDP's replicas, a pipeline across nodes) the
 collective runs flat on the inter tier.
+
+A link may also give `sync_us`: what a collective costs inside a step beyond what it costs back
+to back, as `dtlab comm` measures it (the ranks arriving from their own compute at different
+times, waiting threads woken by the OS, caches the compute turned over), measured by
+benchmarks/sync_cost.py per number of ranks. It is added to a collective that follows the rank's
+own compute (Issue.after_compute: the first of a run of calls issued back to back, as ZeRO-1's
+broadcasts are, pays it for the run), not to a pipeline's messages, whose waits the simulator
+already counts as bubble.
 """
 
 from __future__ import annotations
@@ -75,8 +83,16 @@ def tier(group: tuple[int, ...], ranks_per_node: int) -> str:
 
 
 def comm_seconds(issue: Issue, cluster: Cluster, ranks_per_node: int) -> tuple[float, str]:
-    """(seconds, tier) of one Issue. Group of one rank: 0 s. PoorFitError (a DtlabError) where a
+    """(seconds, tier) of one Issue: its price on the links, plus the tier's sync cost for a
+    collective (module docstring). Group of one rank: 0 s. PoorFitError (a DtlabError) where a
     fit refuses to predict."""
+    t, tier = _on_links(issue, cluster, ranks_per_node)
+    if issue.op in ("send", "recv") or len(issue.group) <= 1 or not issue.after_compute:
+        return t, tier
+    return t + (cluster.intra if tier == "intra" else cluster.inter).sync_for(len(issue.group)), tier
+
+
+def _on_links(issue: Issue, cluster: Cluster, ranks_per_node: int) -> tuple[float, str]:
     if ranks_per_node < 1:
         raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
     op, size, group = issue.op, float(issue.bytes), issue.group

@@ -66,30 +66,39 @@ def _name(e: Issue, n: int) -> str:
 
 def simulate(traces: Mapping[int, Trace], compute_s: Callable[[Compute], float],
              comm_s: Callable[[Issue], tuple[float, str]], overlap_slowdown: float = 0.0,
-             *, collective_streams: str = "rank", cores: CoreShare | None = None) -> Timeline:
+             *, collective_streams: str = "rank", cores: CoreShare | None = None,
+             comm_slowdown: float = 0.0, lanes: int = 1) -> Timeline:
     """One step of the traced ranks (module docstring); DtlabError on a trace that cannot end.
     collective_streams: "rank" (one FIFO per rank, the default) or "group" (one per process
     group), see the module docstring. cores: the ranks of a node share its cores (cores.py);
-    None: every rank has its own device."""
+    None: every rank has its own device. comm_slowdown: a call runs (1 + this) x slower while a
+    traced rank it involves computes (on a CPU gloo's threads get what the compute leaves).
+    lanes: collectives a rank's stream runs at once (gloo's worker threads per process group;
+    NCCL: 1, a stream per communicator), started in the order issued."""
     if not traces:
         raise DtlabError("predict: no trace to simulate (the tracer returned no rank)")
     if collective_streams not in ("rank", "group"):
         raise ValueError(f"collective_streams must be 'rank' or 'group', not {collective_streams!r}")
-    if not overlap_slowdown >= 0:
-        raise DtlabError(f"predict: overlap slowdown {overlap_slowdown} must be >= 0")
+    if not (overlap_slowdown >= 0 and comm_slowdown >= 0):
+        raise DtlabError(f"predict: overlap slowdowns ({overlap_slowdown}, {comm_slowdown}) "
+                         "must be >= 0")
     return _Simulation(traces, compute_s, comm_s, overlap_slowdown,
-                       collective_streams == "group", cores).run()
+                       collective_streams == "group", cores, 1.0 + comm_slowdown, lanes).run()
 
 
 class _Simulation:
     def __init__(self, traces: Mapping[int, Trace], compute_s: Callable[[Compute], float],
                  comm_s: Callable[[Issue], tuple[float, str]], overlap_slowdown: float,
-                 per_group: bool, cores: CoreShare | None) -> None:
+                 per_group: bool, cores: CoreShare | None, comm_stretch: float,
+                 lanes: int) -> None:
         self.compute_s, self.comm_s, self.cores = compute_s, comm_s, cores
+        self.comm_stretch = comm_stretch
+        self.in_flight: set[Call] = set()
         self.stretch = 1.0 + overlap_slowdown
         self.ranks = {r: RankState(r, t) for r, t in sorted(traces.items())}
         self.per_group = per_group
-        self.coll = {r: Stream((r,)) for r in self.ranks}
+        self.coll = {r: Stream((r,), lanes) for r in self.ranks}
+        self.lanes = lanes
         self.channels: dict[tuple, Stream] = {}  # (src, dst) of p2p; a group's, per_group
         self.ops: dict[tuple, Call] = {}
         self.heap: list[tuple[float, int, object, int]] = []
@@ -106,7 +115,8 @@ class _Simulation:
                 break
             t, _, item, version = heapq.heappop(self.heap)
             if isinstance(item, Call):
-                self._finish_op(item, t)
+                if version == item.version:
+                    self._finish_op(item, t)
             elif version == item.version:
                 self._finish_compute(item, t)
         stuck = [st for st in self.ranks.values() if st.done_t is None]
@@ -128,6 +138,7 @@ class _Simulation:
                                      f"event {st.pos - 1} ({e.phase}); it must be >= 0")
                 if seconds == 0:
                     continue
+                self._restretch_calls(st.rank, t, computes=True)
                 st.remaining, st.t_last, st.current = seconds, t, (e, t)
                 self._reshare(st, t, +1)
                 self._schedule(st, t)
@@ -187,6 +198,7 @@ class _Simulation:
     def _finish_compute(self, st: RankState, t: float) -> None:
         self._settle(st, t)
         e, start = st.current
+        self._restretch_calls(st.rank, t, computes=False)
         st.remaining = st.current = None
         self._reshare(st, t, -1)
         st.phases[e.phase if e.phase in st.phases else "other"] += t - start
@@ -233,7 +245,7 @@ class _Simulation:
             key = (e.group, p2p)
             channel = self.channels.get(key)
             if channel is None:
-                channel = self.channels[key] = Stream(members)
+                channel = self.channels[key] = Stream(members, 1 if p2p else self.lanes)
             channel.queue.append(op := Call(e, name, members, seconds, tier, [channel]))
         else:
             op = Call(e, name, members, seconds, tier, [self.coll[r] for r in members])
@@ -245,24 +257,47 @@ class _Simulation:
         if op.start is not None or len(op.issue_t) < len(op.members):
             return
         for s in op.streams:
-            if s.running is not None or s.queue[0] is not op:
+            if len(s.running) >= s.lanes or s.queue[0] is not op:
                 return
-        op.start = t
-        end = t + op.seconds
+        op.start, op.remaining, op.t_last = t, op.seconds, t
         for s in op.streams:
             s.queue.popleft()
-            s.running = op
+            s.running.append(op)
             for r in s.ranks:
                 self._set_busy(r, 1, t)
-        for r in op.members:
-            self.ranks[r].comm[op.labels[r]] += op.seconds
-            self.spans.append((r, "p2p" if op.p2p else "comm", op.labels[r], t, end))
-        self._push(end, op, 0)
+        self.in_flight.add(op)
+        self._schedule_call(op, t)
+
+    def _schedule_call(self, op: Call, t: float, changing: tuple[int, bool] | None = None) -> None:
+        """(Re)schedule `op`'s end from t; `changing`: (a rank, whether it computes from t),
+        for a rank whose state changes at t."""
+        def computing(r: int) -> bool:
+            if changing is not None and r == changing[0]:
+                return changing[1]
+            return self.ranks[r].remaining is not None
+
+        op.version += 1
+        op.factor = self.comm_stretch if any(computing(r) for r in op.members) else 1.0
+        self._push(t + op.remaining * op.factor, op, op.version)
+
+    def _restretch_calls(self, rank: int, t: float, computes: bool) -> None:
+        """`rank` starts or stops computing at t: its calls in flight went at their rate until
+        t, and go on at the new one."""
+        if self.comm_stretch == 1.0:
+            return
+        for op in [op for op in self.in_flight if rank in op.members]:
+            op.remaining -= (t - op.t_last) / op.factor
+            op.t_last = t
+            self._schedule_call(op, t, (rank, computes))
 
     def _finish_op(self, op: Call, t: float) -> None:
         op.done = True
+        self.in_flight.discard(op)
+        for r in op.members:
+            self.ranks[r].comm[op.labels[r]] += t - op.start
+            self.spans.append((r, "p2p" if op.p2p else "comm", op.labels[r], op.start, t))
         for s in op.streams:
-            s.running = None
+            s.running.remove(op)
             for r in s.ranks:
                 self._set_busy(r, -1, t)
         for r in op.members:

@@ -32,17 +32,18 @@ class Timeline:
 
 
 class Stream:
-    __slots__ = ("ranks", "queue", "running")
+    __slots__ = ("ranks", "queue", "running", "lanes")
 
-    def __init__(self, ranks: tuple[int, ...]) -> None:
+    def __init__(self, ranks: tuple[int, ...], lanes: int = 1) -> None:
         self.ranks = ranks  # traced ranks this stream's work keeps busy
         self.queue: deque[Call] = deque()
-        self.running: Call | None = None
+        self.running: list[Call] = []
+        self.lanes = lanes  # calls it runs at once, started in FIFO order
 
 
 class Call:
     __slots__ = ("kind", "name", "p2p", "members", "streams", "seconds", "tier", "labels",
-                 "issue_t", "start", "done", "waiters")
+                 "issue_t", "start", "done", "waiters", "remaining", "t_last", "factor", "version")
 
     def __init__(self, e: Issue, name: str, members: tuple[int, ...], seconds: float, tier: str,
                  streams: list[Stream]) -> None:
@@ -53,6 +54,9 @@ class Call:
         self.start: float | None = None
         self.done = False
         self.waiters: list[RankState] = []
+        self.remaining = self.t_last = 0.0  # seconds of it left at its own speed, since t_last
+        self.factor = 1.0  # how much slower it runs now (simulate.py's comm_slowdown)
+        self.version = 0
 
 
 class RankState:

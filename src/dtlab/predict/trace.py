@@ -39,7 +39,7 @@ from dtlab.config.strategies import registry
 from dtlab.data import spec_for
 from dtlab.errors import ConfigError
 from dtlab.predict.counting import CountingMode
-from dtlab.predict.events import Compute, Event, Issue, Trace
+from dtlab.predict.events import Compute, Event, Issue, Trace, mark_after_compute
 from dtlab.predict.fake_host import fake_reducers, host_mode, on_host
 from dtlab.predict.places import Places, stepper
 from dtlab.predict.record import BACKEND, recording_group
@@ -61,23 +61,25 @@ def _threads(n: int) -> Any:
 
 @contextmanager
 def _steady_heap() -> Any:
-    """glibc keeps the memory freed at the top of its heap, as in a long training run.
+    """glibc keeps the memory freed at the top of its heap, and serves blocks up to 32 MiB from
+    the heap, as it ends up doing in a long training run.
 
-    Its default hands that memory back to the OS after each step of a short trace, and every
+    Its defaults hand that memory back to the OS after each step of a short trace, and every
     step then faults its pages in again: measured here, the CNN of configs/quick.yaml timed at
     15-16 ms a step that a `dtlab train` process runs in 12.2 ms, and 11.6-12.1 ms with the heap
-    kept (docs/prediction.md). Elsewhere (another libc, another OS) nothing changes."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        yield
-        return
-    mallopt(M_TRIM_THRESHOLD, 1 << 30)
-    try:
-        yield
-    finally:
-        mallopt(M_TRIM_THRESHOLD, 128 << 10)  # glibc's default
+    kept (docs/prediction.md). Setting either threshold stops glibc's own adjustment of both, so
+    both are set, once, for the rest of this process. Elsewhere (another libc) nothing changes."""
+    global _HEAP_SET
+    if not _HEAP_SET:
+        try:
+            mallopt = ctypes.CDLL("libc.so.6").mallopt
+        except (OSError, AttributeError):
+            mallopt = None
+        if mallopt is not None:
+            mallopt(M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest (64-bit)
+            mallopt(M_TRIM_THRESHOLD, 1 << 30)
+        _HEAP_SET = True
+    yield
 
 
 def _signature(events: list[Event]) -> list[tuple[Any, ...]]:
@@ -86,7 +88,8 @@ def _signature(events: list[Event]) -> list[tuple[Any, ...]]:
             ("Wait", e.id) for e in events]
 
 
-M_TRIM_THRESHOLD = -1  # mallopt's parameter number (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
+_HEAP_SET = False
 TIMED_STEPS = int(os.environ.get("DTLAB_TIMED_STEPS", "3"))  # each stretch: the median
 EMPTY_S = 20e-6  # a stretch without ops shorter than this is the tracer's own bookkeeping
 
@@ -223,7 +226,7 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
                 notes.append("the timed steps' events differ from the counted one's: no seconds")
             else:
                 events = merged
-        events = _kept(events)
+        events = mark_after_compute(_kept(events))
         state = strategy.state_bytes(model, optimizer)  # after the steps: the optimizer's state
     s = registry.of(cfg)
     label = s.label_of(strategy.describe()) if s.label else s.name
