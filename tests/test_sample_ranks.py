@@ -110,7 +110,7 @@ def refused(*args: str) -> str:
 
 
 def test_what_cannot_be_split_is_one_line(runs: dict[str, Path], tmp_path: Path) -> None:
-    """DeepSpeed for dtlab's GPT, a model whose sizes the ranks cannot split, a non-Llama model, more ranks than cores, a missing GPU, --inference, --device or --verify on one process: one line each, exit 2, before any rank starts."""
+    """DeepSpeed for dtlab's GPT, a model whose sizes the ranks cannot split, a non-Llama model, more ranks than cores, a missing GPU, --inference, --device or --verify on one process, DeepSpeed's kernel injection without deepspeed, with --verify or without CUDA: one line each, exit 2, before any rank starts."""
     gpt, llama = str(runs["gpt"]), str(runs["llama"])
     assert refused(gpt, "--nproc-per-node", "2", "--inference", "deepspeed") == (
         "dtlab: error: --inference deepspeed cannot split dtlab's GPT (DeepSpeed's AutoTP refuses "
@@ -145,6 +145,18 @@ def test_what_cannot_be_split_is_one_line(runs: dict[str, Path], tmp_path: Path)
     assert refused(llama, "--verify") == (
         "dtlab: error: --verify compares ranks that split the model with one process, and "
         "--nproc-per-node is 1; fix: add --nproc-per-node 2, or drop --verify")
+    assert refused(llama, "--nproc-per-node", "2", "--kernel-inject") == (
+        "dtlab: error: --kernel-inject is DeepSpeed's (its fused CUDA kernels); fix: add "
+        "--inference deepspeed, or drop --kernel-inject")
+    assert refused(llama, "--nproc-per-node", "2", "--inference", "deepspeed", "--kernel-inject",
+                   "--verify") == (
+        "dtlab: error: --verify compares with one float32 process to 1e-5, and --kernel-inject "
+        "computes in fp16; fix: verify without --kernel-inject (AutoTP)")
+    assert refused(gpt2, "--nproc-per-node", "2", "--inference", "deepspeed",
+                   "--kernel-inject") == (  # no GPU in tests
+        "dtlab: error: --kernel-inject runs DeepSpeed's fused CUDA kernels, and the ranks would "
+        "compute on the CPU (no CUDA device is visible); fix: drop --kernel-inject (AutoTP splits "
+        "Llama-family models on the CPU)")
     assert refused(llama, "--nproc-per-node", "2", "--prompt", "999") == (
         "dtlab: error: --prompt holds token id 999, beyond the model's vocabulary of 128; fix: "
         "use ids below it")

@@ -336,3 +336,14 @@ def format_validation_error(e: ValidationError, overrides: bool = True) -> str:
     shown = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
     where = f"in the file or as {key}=..." if overrides else "in the file"
     return f"{key}: {msg}{shown}; fix: set {key} to a valid value {where}{more}"
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1, "c": {}}} -> {"a.b": 1, "a.c": {}}: dotted keys, as overrides name them;
+    lists, empty mappings and other leaves are kept as they are."""
+    if isinstance(tree, dict) and tree:
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): tree}

@@ -22,6 +22,7 @@ from dtlab.config import Config
 from dtlab.config.strategies import registry
 from dtlab.errors import ConfigError
 from dtlab.predict.events import Compute, Issue, Trace
+from dtlab.predict.host import core_share, load_probe, machine_loaded
 from dtlab.predict.profile import Profile
 
 STATE_ONLY = "state only"  # a memory that leaves out activations: its fit is marked so
@@ -182,7 +183,8 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
         record.meta.update(profile_meta(cfg, traces[min(traces)]))
         record.add(token, traces[min(traces)])
     compute_s, comm_s, sources = pricing(req, cfg, token)
-    cores = core_share(req, traces, notes)
+    cores = core_share(req.cluster, req.threads or 1, req.ranks_per_node, req.world, traces,
+                       notes)
     timeline = simulate(traces, compute_s, comm_s, req.cluster.overlap_slowdown, cores=cores,
                         comm_slowdown=req.cluster.comm_overlap_slowdown,
                         lanes=req.cluster.collectives_at_once)
@@ -207,42 +209,6 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
     row["memory"] = memory(req, token, traces, notes)
     row["fits"] = row["memory"]["device_bytes"] <= req.cluster.memory_bytes
     return row
-
-
-def core_share(req: Request, traces: dict[int, Trace], notes: list[str]) -> Any:
-    """The simulator's sharing of a CPU host's cores among its ranks (None: a device per rank)."""
-    from dtlab.predict.cores import CoreShare
-
-    cores, threads = req.cluster.cores, req.threads or 1
-    if not cores:
-        return None
-    if req.ranks_per_node * threads > cores:
-        notes.append(f"{req.ranks_per_node} rank(s) x {threads} thread(s) share {cores} cores: "
-                     "each rank computes at its share of them while the others compute "
-                     f"(up to {req.ranks_per_node * threads / cores:.2g}x slower than alone)")
-    return CoreShare(cores, threads, req.ranks_per_node, req.world, traces)
-
-
-def load_probe(device: str) -> Any:
-    """A CPU measurement watches the machine (instruments/machine_load.py): None elsewhere."""
-    from dtlab.instruments.machine_load import LoadProbe
-
-    return LoadProbe() if device == "cpu" else None
-
-
-def machine_loaded(probe: Any, threads: int, helpers_cpu_s: float = 0.0) -> str | None:
-    """Why the compute just measured is not this machine's (other processes busy), or None:
-    the cores other processes kept busy meanwhile, as a run's timing record counts them; the
-    processes that ran beside the traced rank on purpose (`helpers_cpu_s`) are not others."""
-    from dtlab.instruments.machine_load import OTHERS_MARGIN_CORES, node_view
-
-    mine = probe.finish()
-    mine["own_cpu_s"] += helpers_cpu_s
-    node = node_view(mine, threads, lambda me: [me])[0]
-    others = node["others_cores"]
-    if others is not None and others > OTHERS_MARGIN_CORES:
-        return f"other processes kept {others:.1f} of {node['cores']} core(s) busy"
-    return None
 
 
 def profile_meta(cfg: Config, trace: Trace) -> dict[str, Any]:

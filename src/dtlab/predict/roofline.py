@@ -21,7 +21,8 @@ from functools import lru_cache
 
 from dtlab.errors import ConfigError
 from dtlab.instruments.flops import cpu_matmul_tflops
-from dtlab.predict.cluster import DTYPES, Cluster, shipped
+from dtlab.predict.cluster import Cluster, shipped
+from dtlab.predict.cluster_file import DTYPES
 from dtlab.predict.events import Compute
 
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "half": "fp16",

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab import files
+from dtlab.config.load import flatten
 from dtlab.errors import ConfigError, DtlabError, PeerError, RunError
 from dtlab.rundir.checkpoints import (
     CheckpointError,
@@ -57,22 +58,13 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict) and tree:
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix.rstrip("."): tree}
-
-
 def _resumable(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in RESUMABLE)
 
 
 def fixed_keys(config: dict[str, Any]) -> dict[str, Any]:
     """The config's dotted keys that must not change on resume, with their values."""
-    return {k: v for k, v in _flatten(config).items() if not _resumable(k)}
+    return {k: v for k, v in flatten(config).items() if not _resumable(k)}
 
 
 def fingerprint(config: dict[str, Any]) -> str:

@@ -75,6 +75,10 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="with N > 1: where the ranks compute (auto: one GPU each when there are "
                    "GPUs, with NCCL; else the CPU, with gloo)")
+    p.add_argument("--kernel-inject", action="store_true",
+                   help="with --inference deepspeed on CUDA: DeepSpeed's fused inference kernels "
+                   "in fp16 (kernel injection, for the Hugging Face models it has kernels for, "
+                   "GPT-2-style ones too) instead of AutoTP")
     p.add_argument("--verify", action="store_true",
                    help="with N > 1: decode --tokens tokens greedily on the ranks and in one "
                    "process, compare the logits (tolerance 1e-5) and tokens; exit 1 if they differ")
@@ -92,6 +96,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
         raise DtlabError(f"--device {args.device} chooses where split ranks compute, and "
                          "--nproc-per-node is 1 (one process samples on the CPU); fix: add "
                          "--nproc-per-node 2, or drop --device")
+    if args.kernel_inject and args.inference != "deepspeed":
+        raise DtlabError("--kernel-inject is DeepSpeed's (its fused CUDA kernels); fix: add "
+                         "--inference deepspeed, or drop --kernel-inject")
+    if args.kernel_inject and args.verify:
+        raise DtlabError("--verify compares with one float32 process to 1e-5, and --kernel-inject "
+                         "computes in fp16; fix: verify without --kernel-inject (AutoTP)")
     if args.nproc_per_node > 1 or args.inference:
         from dtlab.text.sample_ranks import sample_on_ranks
 

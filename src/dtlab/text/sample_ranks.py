@@ -56,12 +56,13 @@ def sample_on_ranks(source: Path, args: argparse.Namespace) -> int:
     from dtlab.process.launch import launch
 
     cfg, model = load(source)
-    sharded.check(cfg, args.inference, args.nproc_per_node, args.device)
+    sharded.check(cfg, args.inference, args.nproc_per_node, args.device, args.kernel_inject)
     _, ids = tokenizer_and_prompt(cfg, args.prompt, args.tokens)
     worker_args = [str(source.resolve()), f"--prompt={args.prompt}", f"--tokens={args.tokens}",
                    f"--temperature={args.temperature}", f"--top-k={args.top_k}",
                    f"--seed={args.seed}", f"--samples={args.samples}",
-                   f"--inference={args.inference}", f"--device={args.device}"]
+                   f"--inference={args.inference}", f"--device={args.device}",
+                   *(["--kernel-inject"] if args.kernel_inject else [])]
     with tempfile.TemporaryDirectory(prefix="dtlab-sample-") as tmp:
         greedy_file = Path(tmp) / "greedy.safetensors"
         if args.verify:
@@ -157,7 +158,7 @@ def generate_on_ranks(args: argparse.Namespace, ctx: Any) -> None:
     cfg, model = load(Path(args.source))
     tok, ids = tokenizer_and_prompt(cfg, args.prompt, args.tokens, note=False)  # said once
     block = cfg.model.block_size
-    split, weights = sharded.shard(model, args.inference, ctx)
+    split, weights = sharded.shard(model, args.inference, ctx, args.kernel_inject)
     forward = _stopping_together(split, ctx)
 
     class Forward(torch.nn.Module):  # what generate() calls
@@ -211,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, required=True)
     p.add_argument("--inference", choices=sharded.STRATEGIES, required=True)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--kernel-inject", action="store_true")
     p.add_argument("--verify-file")
     args = p.parse_args(argv)
     is_main = detect_env().rank == 0

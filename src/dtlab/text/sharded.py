@@ -6,8 +6,11 @@
   embedding and head split over the vocabulary, norms sequence-parallel.
 - `deepspeed`: DeepSpeed inference with AutoTP (`deepspeed.init_inference(tensor_parallel=...)`,
   no kernel injection): it splits the Llama family's linear layers by their names. It refuses
-  GPT-2-style models ("use kernel injection"), and kernel injection has no CPU implementation,
-  so dtlab's GPT and non-Llama models are refused before any rank starts (`check`).
+  GPT-2-style models ("use kernel injection"). With `kernel_inject` (CUDA only: DeepSpeed's
+  fused kernels have no CPU implementation) it replaces the Hugging Face blocks it has kernels
+  for by its own, in fp16, GPT-2-style ones too. dtlab's GPT has neither; every refusal comes
+  before any rank starts (`check`). The kernel path has not run here (no GPU in this project's
+  sessions so far).
 
 Each returns a forward of the same contract as the unsharded model: token ids (1, T) on the CPU
 in, the full logits (1, T, vocabulary) on the CPU out, on every rank.
@@ -61,7 +64,8 @@ def _split_sizes(cfg: Any) -> list[tuple[str, int]]:
     return [*sizes, ("model.block_size", m.block_size)]
 
 
-def check(cfg: Any, inference: str, nproc: int, device: str = "auto") -> None:
+def check(cfg: Any, inference: str, nproc: int, device: str = "auto",
+          kernel_inject: bool = False) -> None:
     """Before any rank starts: the model/strategy pair, and whether N ranks can split it and fit
     this machine (`device`: auto, cpu or cuda, as the ranks will pick it); each problem is one
     line naming the fix."""
@@ -82,6 +86,17 @@ def check(cfg: Any, inference: str, nproc: int, device: str = "auto") -> None:
                          f"core(s) (each rank computes on its own); fix: --nproc-per-node "
                          f"{cores} or fewer")
     name = cfg.model.name
+    on_cuda = device != "cpu" and torch.cuda.is_available()
+    if kernel_inject and not on_cuda:
+        why = "--device cpu" if device == "cpu" else "no CUDA device is visible"
+        raise DtlabError("--kernel-inject runs DeepSpeed's fused CUDA kernels, and the ranks "
+                         f"would compute on the CPU ({why}); fix: drop --kernel-inject (AutoTP "
+                         "splits Llama-family models on the CPU)")
+    if kernel_inject and name == "gpt":
+        raise DtlabError("--kernel-inject has no kernels for dtlab's GPT (DeepSpeed's are for "
+                         "Hugging Face models); fix: --inference tp")
+    if kernel_inject:
+        return  # DeepSpeed splits what it injects; a model it has no kernels for fails there
     if inference == "deepspeed" and name == "gpt":
         raise DtlabError("--inference deepspeed cannot split dtlab's GPT (DeepSpeed's AutoTP "
                          "refuses GPT-2-style blocks and its kernel injection has no CPU "
@@ -102,12 +117,15 @@ def check(cfg: Any, inference: str, nproc: int, device: str = "auto") -> None:
                              f"ranks); fix: {fix}")
 
 
-def shard(model: nn.Module, inference: str, ctx: Any) -> tuple[Forward, nn.Module]:
+def shard(model: nn.Module, inference: str, ctx: Any,
+          kernel_inject: bool = False) -> tuple[Forward, nn.Module]:
     """`model` (full, on the CPU) split over ctx's ranks: its forward (see the module's doc), and
     the module holding this rank's weights."""
     # Split on the CPU: each moves a tensor to the device as it splits it (DTensor per tensor,
     # DeepSpeed after AutoTP), so the device never holds the whole model.
-    return (_tensor_parallel if inference == "tp" else _deepspeed_autotp)(model, ctx)
+    if inference == "tp":
+        return _tensor_parallel(model, ctx)
+    return _deepspeed(model, ctx, kernel_inject)
 
 
 def _tensor_parallel(model: nn.Module, ctx: Any) -> tuple[Forward, nn.Module]:
@@ -138,7 +156,7 @@ def _tensor_parallel(model: nn.Module, ctx: Any) -> tuple[Forward, nn.Module]:
     return forward, model
 
 
-def _deepspeed_autotp(model: nn.Module, ctx: Any) -> tuple[Forward, nn.Module]:
+def _deepspeed(model: nn.Module, ctx: Any, kernel_inject: bool) -> tuple[Forward, nn.Module]:
     from dtlab.strategies.deepspeed import import_deepspeed
 
     # DeepSpeed's CPU accelerator counts its devices by LOCAL_SIZE (the deepspeed launcher sets
@@ -149,10 +167,12 @@ def _deepspeed_autotp(model: nn.Module, ctx: Any) -> tuple[Forward, nn.Module]:
     deepspeed = import_deepspeed(ctx.device, shm_comm=False)
     # (it prints the layers it splits to stdout, on every rank: not into the text)
     with contextlib.redirect_stdout(io.StringIO()):
-        engine = deepspeed.init_inference(model, tensor_parallel={"tp_size": ctx.world_size},
-                                          dtype=torch.float32, replace_with_kernel_inject=False)
+        engine = deepspeed.init_inference(
+            model, tensor_parallel={"tp_size": ctx.world_size},
+            dtype=torch.float16 if kernel_inject else torch.float32,
+            replace_with_kernel_inject=kernel_inject)
 
     def forward(idx: torch.Tensor) -> torch.Tensor:
-        return engine(idx.to(ctx.device)).cpu()
+        return engine(idx.to(ctx.device)).float().cpu()
 
     return forward, engine.module

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dtlab import files
+from dtlab.config.load import flatten
 from dtlab.errors import DtlabError
 
 if TYPE_CHECKING:
@@ -44,16 +45,6 @@ class Tracker(Protocol):
     def summary(self, values: dict[str, float | str], step: int) -> None: ...
     def artifacts(self, run_dir: Path, paths: list[Path]) -> None: ...
     def end(self, finished: bool) -> None: ...
-
-
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}; lists and other leaves are kept as they are."""
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix.rstrip("."): tree}
 
 
 def as_param(value: Any) -> str:

@@ -1,0 +1,44 @@
+"""The CPU host a prediction measures on: how busy other processes kept it while compute was
+timed, and how its cores are shared among the ranks of a node (cores.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtlab.predict.cores import CoreShare
+from dtlab.predict.events import Trace
+
+
+def core_share(cluster: Any, threads: int, ranks_per_node: int, world: int,
+               traces: dict[int, Trace], notes: list[str]) -> CoreShare | None:
+    """The simulator's sharing of a CPU host's cores among its ranks (None: a device per rank)."""
+    cores = cluster.cores
+    if not cores:
+        return None
+    if ranks_per_node * threads > cores:
+        notes.append(f"{ranks_per_node} rank(s) x {threads} thread(s) share {cores} cores: "
+                     "each rank computes at its share of them while the others compute "
+                     f"(up to {ranks_per_node * threads / cores:.2g}x slower than alone)")
+    return CoreShare(cores, threads, ranks_per_node, world, traces)
+
+
+def load_probe(device: str) -> Any:
+    """A CPU measurement watches the machine (instruments/machine_load.py): None elsewhere."""
+    from dtlab.instruments.machine_load import LoadProbe
+
+    return LoadProbe() if device == "cpu" else None
+
+
+def machine_loaded(probe: Any, threads: int, helpers_cpu_s: float = 0.0) -> str | None:
+    """Why the compute just measured is not this machine's (other processes busy), or None:
+    the cores other processes kept busy meanwhile, as a run's timing record counts them; the
+    processes that ran beside the traced rank on purpose (`helpers_cpu_s`) are not others."""
+    from dtlab.instruments.machine_load import OTHERS_MARGIN_CORES, node_view
+
+    mine = probe.finish()
+    mine["own_cpu_s"] += helpers_cpu_s
+    node = node_view(mine, threads, lambda me: [me])[0]
+    others = node["others_cores"]
+    if others is not None and others > OTHERS_MARGIN_CORES:
+        return f"other processes kept {others:.1f} of {node['cores']} core(s) busy"
+    return None
