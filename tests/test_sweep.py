@@ -142,3 +142,21 @@ def test_spec_base_relative_to_the_spec(tmp_path: Path) -> None:
 def test_shipped_specs_expand(tmp_path: Path, name: str, launcher: str, runs: int) -> None:
     plans = expand(load_spec(CONFIGS / "sweeps" / name), tmp_path, launcher)
     assert len(plans) == runs and not [p.invalid for p in plans if p.invalid]
+
+
+def test_a_run_done_without_a_timed_step_is_reported_without_a_rate(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run that ends done with no step timed (summary samples_per_s null: a requeued job that
+    resumed at its last step) is one progress line without a rate, not a traceback."""
+    from dtlab.sweeps import Progress
+    from dtlab.sweeps.spec import PlannedRun
+
+    run = PlannedRun("nproc_per_node=2", {}, 2, 1, "srun", run_dir=tmp_path)
+    (tmp_path / "summary.json").write_text(json.dumps({"samples_per_s": None}))
+    progress = Progress(total=1, done=0)
+    progress.finish(run, "done", "", 0, 3.21)
+    assert capsys.readouterr().out.strip() == (
+        "[done 1 | failed 0 | running 0 | left 0] nproc_per_node=2: done in 3.2 s, no step timed")
+    (tmp_path / "summary.json").write_text(json.dumps({"samples_per_s": 123.45}))
+    progress.finish(run, "done", "", 0, 1.0)
+    assert capsys.readouterr().out.strip().endswith("done in 1.0 s, 123.5 samples/s")

@@ -53,7 +53,9 @@ class Progress:
         if status == "done":
             self.done += 1
             summary = json.loads((run.run_dir / "summary.json").read_text())
-            self.event(run, f"done in {seconds:.1f} s, {summary['samples_per_s']:.1f} samples/s")
+            rate = summary.get("samples_per_s")  # None: no step was timed (a resume at the end)
+            self.event(run, f"done in {seconds:.1f} s" + (f", {rate:.1f} samples/s" if rate
+                                                         else ", no step timed"))
         else:
             self.failed += 1
             self.event(run, f"{status.upper()} after {seconds:.1f} s: {reason}")
