@@ -98,7 +98,7 @@ def test_a_preempted_job_checkpoints_is_requeued_and_resumes_exactly(
     """`scontrol requeue` stops a running job as preemption does (SIGTERM to every task, SIGKILL
     after KillWait) and puts it back in the queue with the same id; the ranks save a checkpoint
     at the step they agree on, and the job, run again, resumes there."""
-    steps = 60
+    steps = 240  # ~15 ms each: the requeue must land while steps run (60 ended before it once)
     spec = tmp_path / "spec.yaml"
     spec.write_text(REQUEUE_SPEC.format(base=CONFIGS / "quick.yaml", steps=steps))
     sweep = subprocess.Popen([sys.executable, "-m", "dtlab", "sweep", str(spec), "--launcher",
