@@ -24,18 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
 
 WORLD = 2
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _block(a, b, matmuls: int) -> float:  # noqa: ANN001 - torch tensors
@@ -45,13 +39,13 @@ def _block(a, b, matmuls: int) -> float:  # noqa: ANN001 - torch tensors
     return time.perf_counter() - t0
 
 
-def rank_main(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
+def rank_main(rank: int, store: str, args: argparse.Namespace, out: str) -> None:
     import torch
     import torch.distributed as dist
 
     threads = max(1, len(os.sched_getaffinity(0)) // WORLD)
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=store, rank=rank,
                             world_size=WORLD)
     a, b = torch.randn(args.n, args.n), torch.randn(args.n, args.n)
     buf = torch.ones(args.bytes // 4)
@@ -118,7 +112,7 @@ def main() -> None:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rank")
-        mp.spawn(rank_main, args=(_free_port(), args, out), nprocs=WORLD, join=True)
+        mp.spawn(rank_main, args=(f"file://{tmp}/store", args, out), nprocs=WORLD, join=True)
         ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(WORLD)]
     load_after = os.getloadavg()
     per_rank = []

@@ -24,16 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _size(text: str) -> int:
@@ -41,13 +34,13 @@ def _size(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
-def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+def rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
     import torch
     import torch.distributed as dist
 
     threads = max(1, len(os.sched_getaffinity(0)) // world)
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=store, rank=rank,
                             world_size=world)
     a, b = torch.randn(args.n, args.n), torch.randn(args.n, args.n)
 
@@ -109,7 +102,7 @@ def main() -> None:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rank")
-        mp.spawn(rank_main, args=(args.world, _free_port(), args, out), nprocs=args.world,
+        mp.spawn(rank_main, args=(args.world, f"file://{tmp}/store", args, out), nprocs=args.world,
                  join=True)
         ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(args.world)]
     load_after = os.getloadavg()

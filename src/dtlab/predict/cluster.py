@@ -42,23 +42,25 @@ CLUSTER_DIR = Path(__file__).resolve().parent / "clusters"
 @dataclass(frozen=True)
 class Link:
     """One tier of links (within a node, or across nodes), per GPU: nccl-tests' bus bandwidth
-    in bytes/s and the time of a small collective, or `fit`: a dtlab comm alpha-beta fit."""
+    in bytes/s and the time of a small collective, or `by_world`: dtlab comm alpha-beta fits."""
 
     bus_bytes_per_s: float | None
     latency_s: float | None
     source: str
-    fit: dict[str, dict[str, Any]] | None = None  # the fit of the fewest ranks measured
     by_world: dict[int, dict[str, dict[str, Any]]] | None = None  # every fit, by its ranks
     sync_s: dict[int, float] | None = None  # a collective's cost inside a step beyond its fit
     sync_source: str = ""
+
+    @property
+    def fit(self) -> dict[str, dict[str, Any]] | None:
+        """The fit of the fewest ranks measured (None: a bandwidth and a latency instead)."""
+        return self.by_world[min(self.by_world)] if self.by_world else None
 
     def fit_for(self, n: int) -> dict[str, dict[str, Any]] | None:
         """The fit measured on the most ranks up to n (the fewest measured, below them): on
         a shared host the ranks' count changes the cost of a collective beyond the ring's
         terms (their threads share the cores)."""
-        if not self.by_world:
-            return self.fit
-        return self.by_world[_nearest_below(self.by_world, n)]
+        return self.by_world[_nearest_below(self.by_world, n)] if self.by_world else None
 
     def sync_for(self, n: int) -> float:
         """What a collective of n ranks costs inside a step beyond its price alone (0: not
@@ -194,8 +196,7 @@ def _link(spec: LinkSpec, path: Path, key: str) -> Link:
     ops = sorted({op for used in by_world.values() for op in used})
     worlds_text = ", ".join(str(w) for w in sorted(by_world))
     return Link(None, None, f"{spec.source} (alpha-beta fit of {', '.join(names)} on "
-                f"{worlds_text} ranks: {', '.join(ops)})", fit=by_world[min(by_world)],
-                by_world=by_world, **_sync(spec))
+                f"{worlds_text} ranks: {', '.join(ops)})", by_world=by_world, **_sync(spec))
 
 
 def _sync(spec: LinkSpec) -> dict[str, Any]:

@@ -51,7 +51,6 @@ def _helper(cfg: Config, world: int, rank: int, ranks_per_node: int, threads: in
 class Beside:
     """The helpers' CPU seconds, known once the `beside` block has ended."""
 
-    count: int
     cpu_s: float = 0.0
 
 
@@ -59,7 +58,7 @@ class Beside:
 def beside(cfg: Config, world: int, rank: int, ranks_per_node: int, threads: int,
            count: int) -> Iterator[Beside]:
     """`count` processes stepping `rank`'s model while the block runs (module docstring)."""
-    out = Beside(count)
+    out = Beside()
     if count <= 0:
         yield out
         return

@@ -1,9 +1,10 @@
 """The seconds one stretch of compute takes on a cluster's device, and where that number comes from.
 
-Measured (a trace taken on the target device): its seconds, as one rank alone with its own
-thread count (`threads`, which the profile records) ran them. Where the ranks of a node share a
-CPU's cores, the simulator shares them out (cores.py), and the trace was timed with the node's
-other ranks running beside it (corun.py), so that the memory they share is shared as in a run.
+Measured (a trace taken on the target device): its seconds, as the traced rank ran them with its
+own thread count (`threads`, which the profile records). Where the ranks of a node share a CPU,
+the trace was timed with the node's other ranks running beside it on cores of their own
+(corun.py: the memory they share is shared as in a run), and the simulator shares the cores
+when the ranks outnumber them (cores.py).
 
 Otherwise a roofline: max(FLOPs / (peak x compute_efficiency), bytes / HBM bandwidth), the
 peak of the dtype from the cluster file (a datasheet) or, for `measure`, a float32 matrix

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import statistics
 from collections.abc import Callable, Iterator
@@ -52,15 +53,15 @@ def _threads(n: int) -> Any:
     torch.set_num_threads(max(1, n))
     torch.set_flush_denormal(True)  # uninitialised memory (meta-built models) holds denormals
     try:
-        with _steady_heap():
-            yield
+        _steady_heap()
+        yield
     finally:
         torch.set_flush_denormal(False)
         torch.set_num_threads(before)
 
 
-@contextmanager
-def _steady_heap() -> Any:
+@functools.cache  # once: glibc cannot go back to its own adjustment
+def _steady_heap() -> None:
     """glibc keeps the memory freed at the top of its heap, and serves blocks up to 32 MiB from
     the heap, as it ends up doing in a long training run.
 
@@ -69,17 +70,12 @@ def _steady_heap() -> Any:
     15-16 ms a step that a `dtlab train` process runs in 12.2 ms, and 11.6-12.1 ms with the heap
     kept (docs/prediction.md). Setting either threshold stops glibc's own adjustment of both, so
     both are set, once, for the rest of this process. Elsewhere (another libc) nothing changes."""
-    global _HEAP_SET
-    if not _HEAP_SET:
-        try:
-            mallopt = ctypes.CDLL("libc.so.6").mallopt
-        except (OSError, AttributeError):
-            mallopt = None
-        if mallopt is not None:
-            mallopt(M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest (64-bit)
-            mallopt(M_TRIM_THRESHOLD, 1 << 30)
-        _HEAP_SET = True
-    yield
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest (64-bit)
+    mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
 def _signature(events: list[Event]) -> list[tuple[Any, ...]]:
@@ -89,7 +85,6 @@ def _signature(events: list[Event]) -> list[tuple[Any, ...]]:
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
-_HEAP_SET = False
 TIMED_STEPS = int(os.environ.get("DTLAB_TIMED_STEPS", "3"))  # each stretch: the median
 EMPTY_S = 20e-6  # a stretch without ops shorter than this is the tracer's own bookkeeping
 
@@ -134,6 +129,7 @@ class _Rank:
     batches: list[Any]
     sync: Callable[[], None]
     n_params: int
+    micro: int  # the micro batch per rank
 
 
 @contextmanager
@@ -171,7 +167,7 @@ def _rank_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
         engine = strategy.step_engine(model, model, optimizer)
         yield _Rank(strategy, model, optimizer, engine, stepper(cfg, engine, places),
                     [batch(spec, micro, dev, seed=i) for i in range(cfg.train.grad_accum_steps)],
-                    ctx.synchronize, n_params)
+                    ctx.synchronize, n_params, micro)
 
 
 def run_steps(cfg: Config, world: int, rank: int, ranks_per_node: int, threads: int,
@@ -191,8 +187,7 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
     """`rank`'s events of one step of `cfg`'s strategy at `world` ranks (module docstring)."""
     with _rank_step(cfg, world, rank, ranks_per_node, device, threads) as r:
         strategy, model, optimizer, engine = r.strategy, r.model, r.optimizer, r.engine
-        stepper, batches, sync, n_params = r.stepper, r.batches, r.sync, r.n_params
-        micro = check_world(cfg, world, ranks_per_node)
+        stepper, batches, sync, n_params, micro = r.stepper, r.batches, r.sync, r.n_params, r.micro
         if device == "meta":  # nothing to warm up but DDP's buckets (`fake_reducers`)
             rebuilds = fake_reducers(model, *getattr(strategy, "parts", ()))
             if rebuilds:  # the forwards and backwards give the order (no optimizer step)
