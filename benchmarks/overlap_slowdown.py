@@ -31,7 +31,6 @@ from pathlib import Path
 WORLD = 2
 
 
-
 def _block(a, b, matmuls: int) -> float:  # noqa: ANN001 - torch tensors
     t0 = time.perf_counter()
     for _ in range(matmuls):
