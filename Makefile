@@ -7,19 +7,27 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP  := $(VENV)/.dtlab-installed
+DS_STAMP := $(VENV)/.deepspeed-installed
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv venv-deepspeed demo test lint bench clean
 
 venv: $(STAMP)
+venv-deepspeed: $(DS_STAMP)
+
+# venv-deepspeed: the first half, torch and dtlab with DeepSpeed (.ci/run starts building
+# DeepSpeed's async_io op once it is there, beside the rest of the install).
+$(DS_STAMP): pyproject.toml Makefile
+	grep -qs '^include-system-site-packages = false' $(VENV)/pyvenv.cfg || { rm -rf $(VENV); $(PYTHON) -m venv $(VENV); }
+	$(PY) -m pip install -q --no-compile "$(TORCH_PIN)"
+	$(PY) -m pip install -q --no-compile -e '.[deepspeed]'  # torch is already there: deepspeed keeps it
+	touch $(DS_STAMP)
 
 # pip would compile every module to bytecode on one core (15 of torch's 25 s); compileall does it
 # on all of them. Without bytecode on disk each process would compile what it imports, every time
 # where PYTHONDONTWRITEBYTECODE is set. (Writing it on first import instead would leave a user's
 # own `dtlab` commands without it, and both test workers would compile the same modules at once.)
-$(STAMP): pyproject.toml Makefile
-	grep -qs '^include-system-site-packages = false' $(VENV)/pyvenv.cfg || { rm -rf $(VENV); $(PYTHON) -m venv $(VENV); }
-	$(PY) -m pip install -q --no-compile "$(TORCH_PIN)"
-	$(PY) -m pip install -q --no-compile -e '.[dev,deepspeed,mlflow,wandb,tensorboard]'  # torch is already there: deepspeed keeps it
+$(STAMP): $(DS_STAMP)
+	$(PY) -m pip install -q --no-compile -e '.[dev,deepspeed,mlflow,wandb,tensorboard]'
 	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
 	touch $(STAMP)
 

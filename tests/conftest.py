@@ -328,8 +328,11 @@ COST = {"slurm": 105, "guide-11-predict.md": 36, "test_predict_collectives": 25,
         "test_bad_inputs_26": 12, "test_numbers_friction": 10, "test_atomic_writes": 8,
         "test_bad_inputs_audit2": 8, "test_sample_ranks": 25, "test_trackers": 20,
         # ~35 s, but started last (cost 0): its first test waits for the async_io build that
-        # .ci/run starts beside the suite (~4 min of CPU), which is done by then
+        # .ci/run starts beside the suite (~3 min of CPU), which is done by then
         "test_nvme_offload": 0}
+# Modules whose tests are each a group of their own: the last ones, so that their two 12-s
+# trainings end the suite on both workers instead of one after the other on one
+SPLIT = {"test_nvme_offload"}
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -341,6 +344,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if module == "test_guide" and hasattr(item, "callspec"):
             chapter = item.callspec.params["chapter"]
             group = "slurm" if chapter.startswith("06") else f"guide-{chapter}"
+        elif module in SPLIT:
+            group = f"{module}::{item.name}"
         item.add_marker(pytest.mark.xdist_group(group))
         groups[item] = group
-    items.sort(key=lambda item: -COST.get(groups[item], 5))  # stable: file order within a group
+    items.sort(key=lambda item: -COST.get(groups[item].partition("::")[0], 5))  # stable: file order within a group
