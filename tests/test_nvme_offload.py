@@ -38,7 +38,7 @@ NVME = [*GPT, "strategy.deepspeed.offload_device=nvme"]
 LIBAIO = ("dtlab: error: offload to nvme needs DeepSpeed's async_io op, which cannot load: libaio "
           "(its headers and library) was not found; fix: install libaio (Debian/Ubuntu: apt-get "
           "install libaio-dev; RHEL: yum install libaio-devel; the first run then builds the op, "
-          "about 3 min on 2 cores, cached), or offload to host memory instead "
+          "about 1.5 min on 2 cores, cached), or offload to host memory instead "
           "(strategy.deepspeed.offload_device=cpu)")
 
 

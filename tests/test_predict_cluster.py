@@ -350,3 +350,40 @@ def test_sync_cost_is_added_to_collectives_that_follow_compute() -> None:
     gpu = load_cluster("h100_sxm_8x")  # not measured there: nothing added
     big = Issue(1, "all_reduce", 1 << 20, tuple(range(8)))
     assert comm_seconds(replace(big, after_compute=True), gpu, 8) == comm_seconds(big, gpu, 8)
+
+
+def test_calls_issued_back_to_back_are_priced_with_the_burst_factor(tmp_path: Path) -> None:
+    """A run of two or more collectives issued back to back (no compute, no wait between) is a
+    burst: each call's price is multiplied by the link's factor for its op and number of ranks
+    (the measurement on the most ranks up to n); a lone call, a message, an op without a factor
+    keep their price. A factor without its source is one line."""
+    from dataclasses import replace
+
+    from dtlab.predict.events import Wait, mark_after_compute
+
+    events = [Compute("optimizer", seconds=1e-3), Issue(1, "broadcast", 64, (0, 1)),
+              Compute("optimizer", seconds=1e-5), Issue(2, "broadcast", 64, (0, 1)),
+              Issue(3, "broadcast", 64, (0, 1)), Wait(1), Issue(4, "all_reduce", 64, (0, 1)),
+              Compute("forward", seconds=1e-3), Issue(5, "all_reduce", 64, (0, 1)),
+              Issue(6, "send", 64, (0, 1)), Issue(7, "all_reduce", 64, (0, 1))]
+    marked = [(e.id, e.in_burst) for e in mark_after_compute(events) if isinstance(e, Issue)]
+    assert marked == [(1, True), (2, True), (3, True), (4, False), (5, False), (6, False),
+                      (7, False)]
+    burst = "burst: {broadcast: {2: 1.5, 4: 0.25}}\n  burst_source: measured"
+    path = write(tmp_path, H100.replace("  latency_us: 15\n", f"  latency_us: 15\n  {burst}\n", 1))
+    c = load_cluster(path)
+    assert c.intra.burst_for("broadcast", 3) == 1.5 and c.intra.burst_for("broadcast", 8) == 0.25
+    assert c.intra.burst_for("all_gather", 8) == 1.0 and c.inter.burst_for("broadcast", 8) == 1.0
+    call = Issue(1, "broadcast", 1 << 20, tuple(range(8)))
+    alone, _ = comm_seconds(call, c, 8)
+    assert comm_seconds(replace(call, in_burst=True), c, 8)[0] == pytest.approx(alone * 0.25)
+    gather = Issue(1, "all_gather", 1 << 20, tuple(range(8)))
+    assert comm_seconds(replace(gather, in_burst=True), c, 8) == comm_seconds(gather, c, 8)
+    path = write(tmp_path, H100.replace("  latency_us: 15\n",
+                                        "  latency_us: 15\n  burst: {broadcast: {2: 1.5}}\n", 1))
+    with pytest.raises(ConfigError) as e:
+        load_cluster(path)
+    assert one_line(e) == (
+        f"cluster file '{path}': intra gives one of burst and burst_source; fix: give both (what "
+        "a call issued back to back with others costs over its price, benchmarks/burst_cost.py, "
+        "and where it comes from) or neither")

@@ -165,6 +165,20 @@ def test_meta_trace_issues_the_cpu_traces_collectives(spec: str, overrides: list
     assert waits_follow_issues(meta.events) and meta.meta["device"] == "meta"
 
 
+def test_zero1s_broadcasts_are_one_burst_and_ddps_buckets_none() -> None:
+    """zero1 at 2 ranks: after the step, one broadcast per parameter, issued back to back (a
+    burst: the link's burst factor prices them), the first after the rank's own compute; ddp's
+    bucket all-reduces, issued between stretches of the backward, are no burst."""
+    cfg = config("zero1")
+    t = trace_step(cfg, 2, 0, 2, device="cpu")
+    casts = [e for e in t.issues() if e.op == "broadcast"]
+    assert len(casts) == len(list(meta_model(cfg).parameters())) > 2
+    assert all(e.in_burst for e in casts) and casts[0].after_compute
+    assert not any(e.after_compute for e in casts[1:])
+    ddp = trace_step(config("ddp", "strategy.ddp.bucket_cap_mb=0.01"), 2, 0, 2, device="meta")
+    assert len(ddp.issues()) > 2 and not any(e.in_burst for e in ddp.issues())
+
+
 def test_meta_trace_allocates_no_weights() -> None:
     """A 0.9-billion-parameter GPT traced on the meta device under ddp at 4 ranks: its weights, gradients and Adam state (15 GB) are never allocated."""
     import resource

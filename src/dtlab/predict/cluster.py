@@ -50,6 +50,8 @@ class Link:
     by_world: dict[int, dict[str, dict[str, Any]]] | None = None  # every fit, by its ranks
     sync_s: dict[int, float] | None = None  # a collective's cost inside a step beyond its fit
     sync_source: str = ""
+    burst: dict[str, dict[int, float]] | None = None  # op -> ranks -> factor (burst_for)
+    burst_source: str = ""
 
     @property
     def fit(self) -> dict[str, dict[str, Any]] | None:
@@ -66,6 +68,12 @@ class Link:
         """What a collective of n ranks costs inside a step beyond its price alone (0: not
         measured), from the measurement on the most ranks up to n."""
         return self.sync_s[_nearest_below(self.sync_s, n)] if self.sync_s else 0.0
+
+    def burst_for(self, op: str, n: int) -> float:
+        """What a call of `op` on n ranks issued back to back with others costs over its price
+        (1: not measured), from the measurement on the most ranks up to n."""
+        by_ranks = (self.burst or {}).get(op)
+        return by_ranks[_nearest_below(by_ranks, n)] if by_ranks else 1.0
 
 
 def _nearest_below(by_ranks: dict[int, Any], n: int) -> int:
@@ -200,11 +208,16 @@ def _link(spec: LinkSpec, path: Path, key: str) -> Link:
 
 
 def _sync(spec: LinkSpec) -> dict[str, Any]:
-    if spec.sync_us is None:
-        return {}
-    by_ranks = spec.sync_us if isinstance(spec.sync_us, dict) else {2: spec.sync_us}
-    return {"sync_s": {n: us * 1e-6 for n, us in by_ranks.items()},
-            "sync_source": spec.sync_source or ""}
+    """The link's costs beyond its price: sync (inside a step), burst (back to back)."""
+    out: dict[str, Any] = {}
+    if spec.sync_us is not None:
+        by_ranks = spec.sync_us if isinstance(spec.sync_us, dict) else {2: spec.sync_us}
+        out.update(sync_s={n: us * 1e-6 for n, us in by_ranks.items()},
+                   sync_source=spec.sync_source or "")
+    if spec.burst is not None:
+        out.update(burst={op: dict(f) for op, f in spec.burst.items()},
+                   burst_source=spec.burst_source or "")
+    return out
 
 
 def _used_fits(fits: list[str] | None, fitted: dict[str, dict[str, Any]], results: Path,

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 DTYPES = ("bf16", "fp16", "fp32")
 FIT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
            "send_recv")
+BURST_OPS = FIT_OPS[:-1]
 EXAMPLE = "configs/clusters/h100_sxm_8x.yaml"
 
 _Positive = Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)]
@@ -36,6 +37,9 @@ class LinkSpec(_Strict):
     fits: list[Literal[FIT_OPS]] | None = None  # type: ignore[valid-type]
     sync_us: _NonNegative | dict[Annotated[int, Field(ge=2)], _NonNegative] | None = None
     sync_source: _Source | None = None
+    # per op, per number of ranks: a call issued back to back with others costs its price x this
+    burst: dict[Literal[BURST_OPS], dict[Annotated[int, Field(ge=2)], _Positive]] | None = None  # type: ignore[valid-type]
+    burst_source: _Source | None = None
     source: _Source
 
     @model_validator(mode="after")
@@ -44,6 +48,10 @@ class LinkSpec(_Strict):
             raise ValueError("gives one of sync_us and sync_source; fix: give both (the cost of "
                              "a collective inside a step, benchmarks/sync_cost.py, and where it "
                              "comes from) or neither")
+        if (self.burst is None) != (self.burst_source is None):
+            raise ValueError("gives one of burst and burst_source; fix: give both (what a call "
+                             "issued back to back with others costs over its price, "
+                             "benchmarks/burst_cost.py, and where it comes from) or neither")
         return self
 
     @model_validator(mode="after")

@@ -51,6 +51,10 @@ class Issue:
     # The rank computed on its own since its last Issue or Wait (mark_after_compute): the ranks
     # come to this call out of step, as to the first of a run of calls issued back to back
     after_compute: bool = False
+    # One of a run of two or more collectives issued back to back (no compute of the rank's own,
+    # no wait between): such calls queue behind each other in the process group (ZeRO-1's
+    # parameter broadcasts; a cluster's link prices them with its `burst` factors)
+    in_burst: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,9 +88,18 @@ ON_ITS_OWN_S = 50e-6  # compute shorter than this between two calls cannot put r
 def mark_after_compute(events: list[Event]) -> list[Event]:
     """The events with `after_compute` set on each Issue that follows compute of the rank's own
     since its last Issue or Wait: at least ON_ITS_OWN_S measured, or FLOPs counted where the
-    trace has no seconds (price.py adds a link's sync cost to those)."""
+    trace has no seconds (price.py adds a link's sync cost to those); and `in_burst` on the
+    collectives of each run of two or more issued back to back."""
     out: list[Event] = []
     seconds, flops = 0.0, 0.0
+    run: list[int] = []  # positions in `out` of the current run's collectives
+
+    def close() -> None:
+        if len(run) >= 2:
+            for i in run:
+                out[i] = replace(out[i], in_burst=True)
+        run.clear()
+
     for e in events:
         if isinstance(e, Compute):
             seconds += e.seconds or 0.0
@@ -94,6 +107,13 @@ def mark_after_compute(events: list[Event]) -> list[Event]:
         elif isinstance(e, Issue | Wait):
             if isinstance(e, Issue):
                 e = replace(e, after_compute=seconds >= ON_ITS_OWN_S if seconds else flops > 0)
+                if e.after_compute or e.op in POINT_TO_POINT:
+                    close()
+                if e.op not in POINT_TO_POINT:
+                    run.append(len(out))
+            else:
+                close()
             seconds, flops = 0.0, 0.0
         out.append(e)
+    close()
     return out

@@ -40,6 +40,12 @@ benchmarks/sync_cost.py per number of ranks. It is added to a collective that fo
 own compute (Issue.after_compute: the first of a run of calls issued back to back, as ZeRO-1's
 broadcasts are, pays it for the run), not to a pipeline's messages, whose waits the simulator
 already counts as bubble.
+
+And `burst`: per op and number of ranks, what a call issued back to back with others
+(Issue.in_burst: ZeRO-1's parameter broadcasts) costs over its price, measured by
+benchmarks/burst_cost.py. On a CPU gloo's calls queue behind each other in ways one call alone
+does not show: on 2 ranks a burst costs more per call than the fit, on 4 oversubscribed ranks far
+less than the fit's latency, which a lone call pays in full waiting for its peers to be scheduled.
 """
 
 from __future__ import annotations
@@ -83,13 +89,17 @@ def tier(group: tuple[int, ...], ranks_per_node: int) -> str:
 
 
 def comm_seconds(issue: Issue, cluster: Cluster, ranks_per_node: int) -> tuple[float, str]:
-    """(seconds, tier) of one Issue: its price on the links, plus the tier's sync cost for a
-    collective (module docstring). Group of one rank: 0 s. PoorFitError (a DtlabError) where a
-    fit refuses to predict."""
+    """(seconds, tier) of one Issue: its price on the links, times the tier's burst factor for
+    a collective issued back to back with others, plus the tier's sync cost for one that follows
+    compute (module docstring). Group of one rank: 0 s. PoorFitError (a DtlabError) where a fit
+    refuses to predict."""
     t, tier = _on_links(issue, cluster, ranks_per_node)
-    if issue.op in ("send", "recv") or len(issue.group) <= 1 or not issue.after_compute:
+    if issue.op in ("send", "recv") or len(issue.group) <= 1:
         return t, tier
-    return t + (cluster.intra if tier == "intra" else cluster.inter).sync_for(len(issue.group)), tier
+    link, n = cluster.intra if tier == "intra" else cluster.inter, len(issue.group)
+    if issue.in_burst:
+        t *= link.burst_for(issue.op, n)
+    return t + (link.sync_for(n) if issue.after_compute else 0.0), tier
 
 
 def _on_links(issue: Issue, cluster: Cluster, ranks_per_node: int) -> tuple[float, str]:

@@ -1,6 +1,6 @@
 """Before any rank starts, a run that offloads to NVMe (ZeRO-Infinity): its swap directory can be
 written with O_DIRECT (DeepSpeed's async_io opens its files so; tmpfs before Linux 6.6 refuses it)
-and DeepSpeed's async_io op loads (it links against libaio and is built by JIT on first use, ~3
+and DeepSpeed's async_io op loads (it links against libaio and is built by JIT on first use, ~1.5
 min on 2 cores, cached under TORCH_EXTENSIONS_DIR). `dtlab doctor` reports the op's state.
 """
 
@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     from dtlab.config import Config
 
 FIX = ("fix: install libaio (Debian/Ubuntu: apt-get install libaio-dev; RHEL: yum install "
-       "libaio-devel; the first run then builds the op, about 3 min on 2 cores, cached), or "
+       "libaio-devel; the first run then builds the op, about 1.5 min on 2 cores, cached), or "
        "offload to host memory instead (strategy.deepspeed.offload_device=cpu)")
-BUILD_NOTE = ("dtlab: building DeepSpeed's async_io op for NVMe offload (once: about 3 min on 2 "
+BUILD_NOTE = ("dtlab: building DeepSpeed's async_io op for NVMe offload (once: about 1.5 min on 2 "
               "cores; cached in {where})")
 
 
