@@ -30,6 +30,8 @@ import statistics
 import time
 from pathlib import Path
 
+from gloo_ranks import run_ranks
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -103,10 +105,7 @@ def main() -> None:
     p.add_argument("--json", help="write the samples and the factors here")
     args = p.parse_args()
 
-    import tempfile
-
     import torch
-    import torch.multiprocessing as mp
 
     from dtlab.config import load_config
     from dtlab.estimate.core import meta_model
@@ -115,13 +114,7 @@ def main() -> None:
 
     args.numels = [p.numel() for p in meta_model(load_config(args.config, [])).parameters()]
     link = load_cluster(args.cluster).intra
-    load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "rank")
-        mp.spawn(rank_main, args=(args.world, f"file://{tmp}/store", args, out), nprocs=args.world,
-                 join=True)
-        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(args.world)]
-    load_after = os.getloadavg()
+    ranks, (load_before, load_after) = run_ranks(rank_main, args.world, args)
     rows, factors = [], {}
     for op in args.ops:
         med = {k: statistics.median(statistics.median(r[op][k]) for r in ranks)
@@ -138,12 +131,12 @@ def main() -> None:
     print(f"burst factors on {args.world} ranks: "
           + ", ".join(f"{op} {f:.2f}" for op, f in factors.items())
           + f" ({Path(args.config).name}'s parameters; torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f} before, "
-          f"{load_after[0]:.2f} after)")
+          f"{os.cpu_count()} CPUs, load average {load_before:.2f} before, "
+          f"{load_after:.2f} after)")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"world": args.world, "factors": factors, "rows": rows, "ranks": ranks,
-             "torch": torch.__version__, "load_average": [load_before[0], load_after[0]],
+             "torch": torch.__version__, "load_average": [load_before, load_after],
              "args": {k: v for k, v in vars(args).items() if k != "json"}}, indent=2) + "\n")
 
 

@@ -28,6 +28,8 @@ import statistics
 import time
 from pathlib import Path
 
+from gloo_ranks import run_ranks
+
 
 def _size(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20}
@@ -94,18 +96,9 @@ def main() -> None:
     p.add_argument("--json", help="write the samples and the result here")
     args = p.parse_args()
 
-    import tempfile
-
     import torch
-    import torch.multiprocessing as mp
 
-    load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "rank")
-        mp.spawn(rank_main, args=(args.world, f"file://{tmp}/store", args, out), nprocs=args.world,
-                 join=True)
-        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(args.world)]
-    load_after = os.getloadavg()
+    ranks, (load_before, load_after) = run_ranks(rank_main, args.world, args)
     rows = []
     for size in args.sizes:
         med = {k: statistics.median(statistics.median(r["samples"][str(size)][k]) for r in ranks)
@@ -118,12 +111,12 @@ def main() -> None:
               f"{sync * 1e3:+.3f} ms per collective")
     sync_s = statistics.median(r["sync_s"] for r in rows)
     print(f"sync_s: {sync_s * 1e6:.0f} us (median over the sizes; torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f} before, "
-          f"{load_after[0]:.2f} after)")
+          f"{os.cpu_count()} CPUs, load average {load_before:.2f} before, "
+          f"{load_after:.2f} after)")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"sync_s": sync_s, "rows": rows, "ranks": ranks, "torch": torch.__version__,
-             "load_average": [load_before[0], load_after[0]],
+             "load_average": [load_before, load_after],
              "args": {k: v for k, v in vars(args).items() if k != "json"}}, indent=2) + "\n")
 
 
