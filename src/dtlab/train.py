@@ -333,8 +333,18 @@ def _run(config: str | None, overrides: list[str], env: Any) -> int:
         if not isinstance(e, PeerError) and (env.rank == 0 or not isinstance(e, ConfigError)):
             where = f"[rank {env.rank}] " if env.world_size > 1 else ""
             print(f"dtlab: error: {where}{e}", file=sys.stderr)
+        if env.world_size > 1:
+            _FAILED.append(e)
         return e.exit_code
     return 0
+
+
+# A failed multi-rank run's error, kept until the process ends (distributed.leave: os._exit).
+# Freeing its traceback frees the step's objects and with them the last reference to the process
+# group, whose gloo destructor can then wait out the collective timeout for a peer that has
+# already exited: a 2-rank run stopped on a deleted run directory sometimes ended only after
+# run.timeout_s, its surviving rank caught at this function's return.
+_FAILED: list[DtlabError] = []
 
 
 def main(argv: list[str] | None = None) -> int:
