@@ -1,6 +1,7 @@
 """Gloo ranks for the benchmarks that measure this machine's collectives (sync_cost.py,
-burst_cost.py): spawned processes that meet through a file store in a temporary directory (no
-port to find), each writing its result as JSON, with the load average before and after."""
+burst_cost.py, overlap_slowdown.py): spawned processes that meet through a file store in a
+temporary directory (no port to find), each writing its result as JSON, with the load average
+before and after."""
 
 from __future__ import annotations
 

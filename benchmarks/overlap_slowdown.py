@@ -28,6 +28,8 @@ import statistics
 import time
 from pathlib import Path
 
+from gloo_ranks import run_ranks
+
 WORLD = 2
 
 
@@ -38,14 +40,14 @@ def _block(a, b, matmuls: int) -> float:  # noqa: ANN001 - torch tensors
     return time.perf_counter() - t0
 
 
-def rank_main(rank: int, store: str, args: argparse.Namespace, out: str) -> None:
+def rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    threads = max(1, len(os.sched_getaffinity(0)) // WORLD)
+    threads = max(1, len(os.sched_getaffinity(0)) // world)
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=store, rank=rank,
-                            world_size=WORLD)
+                            world_size=world)
     a, b = torch.randn(args.n, args.n), torch.randn(args.n, args.n)
     buf = torch.ones(args.bytes // 4)
     for _ in range(3):  # warm-up: allocator, gloo's connections, the matmul's code paths
@@ -103,17 +105,9 @@ def main() -> None:
     p.add_argument("--json", help="write the raw samples and the result here")
     args = p.parse_args()
 
-    import tempfile
-
     import torch
-    import torch.multiprocessing as mp
 
-    load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "rank")
-        mp.spawn(rank_main, args=(f"file://{tmp}/store", args, out), nprocs=WORLD, join=True)
-        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(WORLD)]
-    load_after = os.getloadavg()
+    ranks, (load_before, load_after) = run_ranks(rank_main, WORLD, args)
     per_rank = []
     for r in ranks:
         if not r["overlapped_s"]:
@@ -135,13 +129,13 @@ def main() -> None:
     print(f"comm_overlap_slowdown: {comm_slowdown:.3f} (mean of the ranks)")
     slowdown = statistics.mean(per_rank)
     print(f"overlap_slowdown: {slowdown:.3f} (mean of the ranks; {WORLD} gloo ranks, torch "
-          f"{torch.__version__}, {os.cpu_count()} CPUs, load average {load_before[0]:.2f} "
-          f"before, {load_after[0]:.2f} after)")
+          f"{torch.__version__}, {os.cpu_count()} CPUs, load average {load_before:.2f} "
+          f"before, {load_after:.2f} after)")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"overlap_slowdown": slowdown, "per_rank": per_rank, "ranks": ranks,
              "comm_overlap_slowdown": comm_slowdown, "comm_per_rank": comm_per_rank,
-             "load_average": [load_before[0], load_after[0]], "torch": torch.__version__,
+             "load_average": [load_before, load_after], "torch": torch.__version__,
              "args": {k: v for k, v in vars(args).items() if k != "json"}}, indent=2) + "\n")
 
 

@@ -182,7 +182,7 @@ def _link(spec: LinkSpec, path: Path, key: str) -> Link:
     if spec.comm_results is None:
         assert spec.busbw_gb_per_s is not None and spec.latency_us is not None
         return Link(spec.busbw_gb_per_s * 1e9, spec.latency_us * 1e-6, spec.source,
-                    **_sync(spec))
+                    **_beyond_price(spec))
     entries = [spec.comm_results] if isinstance(spec.comm_results, str) else spec.comm_results
     if not entries:
         raise ConfigError(f"cluster file '{path}': {key}.comm_results is an empty list; fix: "
@@ -204,10 +204,10 @@ def _link(spec: LinkSpec, path: Path, key: str) -> Link:
     ops = sorted({op for used in by_world.values() for op in used})
     worlds_text = ", ".join(str(w) for w in sorted(by_world))
     return Link(None, None, f"{spec.source} (alpha-beta fit of {', '.join(names)} on "
-                f"{worlds_text} ranks: {', '.join(ops)})", by_world=by_world, **_sync(spec))
+                f"{worlds_text} ranks: {', '.join(ops)})", by_world=by_world, **_beyond_price(spec))
 
 
-def _sync(spec: LinkSpec) -> dict[str, Any]:
+def _beyond_price(spec: LinkSpec) -> dict[str, Any]:
     """The link's costs beyond its price: sync (inside a step), burst (back to back)."""
     out: dict[str, Any] = {}
     if spec.sync_us is not None:

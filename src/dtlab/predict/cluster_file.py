@@ -43,7 +43,7 @@ class LinkSpec(_Strict):
     source: _Source
 
     @model_validator(mode="after")
-    def _sync_sourced(self) -> LinkSpec:
+    def _sourced(self) -> LinkSpec:
         if (self.sync_us is None) != (self.sync_source is None):
             raise ValueError("gives one of sync_us and sync_source; fix: give both (the cost of "
                              "a collective inside a step, benchmarks/sync_cost.py, and where it "
