@@ -70,6 +70,40 @@ def test_advise_ranks_the_strategies_that_fit_by_predicted_step_time() -> None:
     assert all(r["slower"] == pytest.approx(r["step_s"] / times[0], rel=1e-9) for r in ranked)
 
 
+def test_json_is_all_that_reaches_stdout() -> None:
+    """--json's stdout is the JSON alone: what a library or a child process prints while the
+    command works (DeepSpeed's logger prints to stdout on import) goes to stderr."""
+    import subprocess
+    import sys
+
+    from conftest import in_process
+
+    from dtlab.process.result_stdout import stdout_kept_for_result
+
+    def command() -> int:
+        with stdout_kept_for_result():
+            print("a library's line")
+            subprocess.run([sys.executable, "-c", "print('a child process line')"], check=True)
+        print(json.dumps({"answer": 1}))
+        return 0
+
+    proc = in_process(command)
+    assert json.loads(proc.stdout) == {"answer": 1}
+    assert "a library's line" in proc.stderr and "a child process line" in proc.stderr
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deepspeed_is_predicted_from_the_roofline(stage: int) -> None:
+    """deepspeed on a GPU cluster (a trace without values): a prediction, parsed from --json."""
+    pytest.importorskip("deepspeed")
+    proc = dtlab("predict", "--world-size", "16", "--gpus-per-node", "8", "--cluster",
+                 "h100_sxm_8x", "--strategies", f"deepspeed:{stage},fsdp", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["strategy"]: r for r in json.loads(proc.stdout)["rows"]}
+    assert rows[f"deepspeed:{stage}"]["step_s"] > 0
+    assert rows[f"deepspeed:{stage}"]["sources"]["compute"] == rows["fsdp"]["sources"]["compute"]
+
+
 CASES = [
     ("advise by time without a config",
      "advise --n-params 7e9 --gpus 8 --gpu-memory 80 --cluster h100_sxm_8x", "--config"),

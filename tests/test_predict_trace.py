@@ -141,6 +141,46 @@ def test_deepspeed_zero3_trace_leaves_the_process_as_it_was() -> None:
     assert {k: os.environ.get(k) for k in environ} == environ
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_on_the_meta_device_issues_the_collectives_of_a_real_step(stage: int) -> None:
+    """deepspeed at 2 ranks traced without values (a GPU cluster's roofline prediction): its
+    host reads of norms and overflow flags see a healthy step, ZeRO-3 settles its prefetch in
+    warm-up steps, and the collectives are those of the CPU trace, which equal a real step's
+    (test_predict_collectives.py); its gradient bucket's views move no bytes."""
+    pytest.importorskip("deepspeed")
+    meta, cpu = trace(f"deepspeed:{stage}", device="meta"), trace(f"deepspeed:{stage}")
+    assert collectives_of(meta) == collectives_of(cpu) and collectives_of(meta)
+    assert waits_follow_issues(meta.events)
+    moved, counted = sum(c.bytes for c in meta.computes()), sum(c.bytes for c in cpu.computes())
+    assert 0 < moved < 1e8  # the 2-GB bucket it narrows per parameter is counted nowhere
+    assert moved == pytest.approx(counted, rel=0.05)
+
+
+def test_views_and_allocations_move_no_bytes() -> None:
+    """The roofline's bytes: a view of a large tensor and an uninitialised buffer count nothing,
+    a copy counts what it reads and writes."""
+    import torch
+
+    from dtlab.predict.counting import CountingMode
+    from dtlab.predict.recorder import RECORDER
+
+    big = torch.zeros(1 << 20)
+    RECORDER.start(timed=False, sync=lambda: None)
+    try:
+        with CountingMode():
+            RECORDER.bytes = 0
+            big.narrow(0, 0, 16)
+            big.view(1024, 1024).t()
+            torch.empty(1 << 20)
+            viewed = RECORDER.bytes
+            big[:256].clone()
+            copied = RECORDER.bytes - viewed
+    finally:
+        RECORDER.stop()
+    assert viewed == 0
+    assert copied == 2 * 256 * 4
+
+
 def test_a_world_the_strategy_cannot_take_is_refused() -> None:
     """A world size the global batch does not split over is refused with the fix, as dtlab train refuses it."""
     with pytest.raises(ConfigError, match="global_batch_size"):

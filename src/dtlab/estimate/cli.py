@@ -24,6 +24,7 @@ from dtlab.estimate.arguments import (  # noqa: F401 (dtlab.cli takes the add_* 
     validate,
 )
 from dtlab.estimate.memory import PRECISIONS
+from dtlab.process.result_stdout import stdout_kept_for_result
 
 
 # ------------------------------------------------------------------------------ building a setup
@@ -143,9 +144,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from dtlab.estimate.core import estimate
 
     validate(args)
-    setup = build_setup(args, args.world_size)
-    default = DEFAULT_STRATEGIES if setup.world > 1 else registry.BASELINE
-    rows = [estimate(setup, t.strip()) for t in (args.strategies or default).split(",") if t.strip()]
+    with stdout_kept_for_result(args.json):
+        setup = build_setup(args, args.world_size)
+        default = DEFAULT_STRATEGIES if setup.world > 1 else registry.BASELINE
+        rows = [estimate(setup, t.strip()) for t in (args.strategies or default).split(",")
+                if t.strip()]
     if args.json:
         print(json.dumps({"setup": setup_dict(setup), "rows": rows}, indent=1))
         return 0
@@ -177,9 +180,10 @@ def advise_result(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     from dtlab.estimate.advise import advise
 
     validate(args)
-    base = build_setup(args, args.gpus)
-    return base, advise(lambda ckpt: replace(base, checkpointing=ckpt), args.gpu_memory * GB,
-                        args.reserve * GB, args.host_memory * GB if args.host_memory else None)
+    with stdout_kept_for_result(args.json):
+        base = build_setup(args, args.gpus)
+        return base, advise(lambda ckpt: replace(base, checkpointing=ckpt), args.gpu_memory * GB,
+                            args.reserve * GB, args.host_memory * GB if args.host_memory else None)
 
 
 def cmd_advise(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> int:

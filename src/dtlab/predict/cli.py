@@ -15,6 +15,7 @@ from typing import Any
 
 from dtlab.cli_args import integer, number
 from dtlab.errors import DtlabError
+from dtlab.process.result_stdout import stdout_kept_for_result
 
 DEFAULT_STRATEGIES = "ddp,fsdp,zero1"
 GB = 1e9
@@ -111,9 +112,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
         from dtlab.predict.profile import check_writable
 
         check_writable(Path(args.save_profile))
-    cluster = load_cluster(args.cluster)
-    req = request(args, args.world_size, cluster)
-    rows = predict_all(req, [t.strip() for t in args.strategies.split(",")], args.save_profile)
+    with stdout_kept_for_result(args.json):
+        cluster = load_cluster(args.cluster)
+        req = request(args, args.world_size, cluster)
+        rows = predict_all(req, [t.strip() for t in args.strategies.split(",")], args.save_profile)
     from dtlab.predict.core import fastest
 
     best = fastest(rows)

@@ -15,6 +15,12 @@ from dtlab.predict.recorder import RECORDER
 
 _DEVICE = torch.ops.prim.device.default
 _SHAPE_ONLY = {_DEVICE, torch.ops.aten.detach.default}
+# Ops that make a tensor without reading or writing device memory: a view of another tensor's
+# storage (DeepSpeed narrows one 2-GB gradient bucket per parameter: counted as reads, a CNN's
+# backward "moved" 20 GB), or storage left uninitialised
+_ALLOCATE = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+             torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default,
+             torch.ops.aten.empty_like.default}
 _WRAP = "_wrap_tensor_autograd"  # registered by torch.distributed._functional_collectives
 
 
@@ -64,6 +70,8 @@ class CountingMode(TorchDispatchMode):
             if r is not NotImplemented:
                 return r
         out = func(*args, **kwargs)
+        if func.is_view or func in _ALLOCATE:
+            return out
         if packet in flop_registry:
             RECORDER.flops += flop_registry[packet](*args, **kwargs, out_val=out)
         RECORDER.bytes += _tensor_bytes(args) + _tensor_bytes(kwargs.values()) + _tensor_bytes(

@@ -112,6 +112,7 @@ def _real(fn: Callable[..., Any]) -> Callable[..., Any]:
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DEVICE = torch.ops.prim.device.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
+_SCALAR = torch.ops.aten._local_scalar_dense.default
 
 
 class HostFake(FakeTensorMode):
@@ -126,6 +127,8 @@ class HostFake(FakeTensorMode):
             return args[0].fake_device
         if func is _WAIT:  # the fake kernel waits on nothing; the real one waits the group's work
             RECORDER.wait_tensor(args[0])
+        if func is _SCALAR:  # a value read on the host (DeepSpeed's norm and overflow checks)
+            return _healthy(args[0].dtype)
         kwargs = kwargs or {}
         dtype = kwargs.get("dtype")
         if (func._overloadpacket is torch.ops.aten.arange and dtype not in _FLOATS) or (
@@ -133,6 +136,14 @@ class HostFake(FakeTensorMode):
                 and dtype in (torch.int32, torch.int64)):
             return func(*args, **kwargs)
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _healthy(dtype: torch.dtype) -> bool | int | float:
+    """What a step's scalar reads see in a trace without values: a finite norm of 1, no overflow,
+    no non-finite count, so that the step takes the path of a healthy step."""
+    if dtype is torch.bool:
+        return False
+    return 1.0 if dtype.is_floating_point else 0
 
 
 class RebuildReal:

@@ -8,8 +8,8 @@ its buckets in its second step's forward, with broadcasts a steady step does not
 create their state), then one step with FLOPs counted, and one more, timed without the counting
 (its Python dispatch would inflate small kernels), whose seconds are laid on the counted step's
 Computes. On the meta device (a model too big to run here; fake_host.py) only the counted step,
-after DDP's forwards and backwards and its bucket rebuild where the strategy has DDP: FLOPs, no
-seconds. Collectives over a group of one rank move nothing: left out (Trace.meta["alone"]).
+after DDP's forwards and backwards and its bucket rebuild where the strategy has DDP, and the
+strategy's own `trace_warmup` steps (its registry entry): FLOPs, no seconds. Collectives over a group of one rank move nothing: left out (Trace.meta["alone"]).
 Trace.meta["state_bytes"]: the traced rank's parameter, gradient and optimizer bytes after the
 step, the strategy's own `state_bytes` (what `dtlab estimate` measures), on either device.
 
@@ -17,7 +17,8 @@ Phases: `forward`/`backward` per block of `model.blocks()` (block None: embeddin
 `recompute` (a checkpointed block's forward run again in its backward), `optimizer` (the gradient
 norm, with clipping, and the step), `other` (zero_grad). `micro`: the accumulation micro step;
 pipelines: micro step x microbatches + the schedule's microbatch. Compute.bytes: the bytes of
-every op's tensor inputs and outputs, an upper bound of what a roofline needs (no cache reuse).
+every op's tensor inputs and outputs, an upper bound of what a roofline needs (no cache reuse);
+views and uninitialised allocations move none.
 """
 
 from __future__ import annotations
@@ -188,7 +189,9 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
     with _rank_step(cfg, world, rank, ranks_per_node, device, threads) as r:
         strategy, model, optimizer, engine = r.strategy, r.model, r.optimizer, r.engine
         stepper, batches, sync, n_params, micro = r.stepper, r.batches, r.sync, r.n_params, r.micro
-        if device == "meta":  # nothing to warm up but DDP's buckets (`fake_reducers`)
+        if device == "meta":  # DDP's buckets (`fake_reducers`) and the strategy's trace_warmup
+            for _ in range(registry.get(cfg.strategy.name).trace_warmup):
+                stepper(batches)
             rebuilds = fake_reducers(model, *getattr(strategy, "parts", ()))
             if rebuilds:  # the forwards and backwards give the order (no optimizer step)
                 for i, (x, y) in enumerate(batches):

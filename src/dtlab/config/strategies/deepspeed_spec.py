@@ -75,5 +75,5 @@ SPEC = StrategySpec(
     options=DeepSpeedOptions, variant=("strategy.deepspeed.zero_stage", ("1", "2", "3"),
                                         "its ZeRO stage (deepspeed:1, :2 or :3)"),
     extra=("deepspeed", "deepspeed"), check=check, environment=environment, label=label, layout=layout,
-    memory_model="deepspeed_memory", master_weights=True,
+    memory_model="deepspeed_memory", master_weights=True, trace_warmup=2,
 )

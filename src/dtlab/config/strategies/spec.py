@@ -59,6 +59,10 @@ class StrategySpec:
     # The model-parallel ranks of one replica do different work (pipeline stages): `dtlab
     # predict` traces each of them, not rank 0 alone
     distinct_ranks: bool = False
+    # Steps a meta-device trace (`dtlab predict` without --measure) runs before the one it
+    # records, where the library's first steps differ from its steady one (DeepSpeed ZeRO-3
+    # records the order of its modules in its first step and prefetches on it from then on)
+    trace_warmup: int = 0
 
     def model_parallel_size(self, cfg: Config, world_size: int) -> int:
         return self.model_parallel(cfg, world_size) if self.model_parallel else 1
