@@ -306,6 +306,8 @@ def run(config: str | None, overrides: list[str]) -> int:
         try:
             return _run(config, overrides, env)
         except Interrupted as e:  # rank 0 says where the run stopped, once
+            if env.world_size > 1:
+                _FAILED.append(e)
             return interrupt.report(e, main=env.rank == 0)
 
 
@@ -339,12 +341,13 @@ def _run(config: str | None, overrides: list[str], env: Any) -> int:
     return 0
 
 
-# A failed multi-rank run's error, kept until the process ends (distributed.leave: os._exit).
+# A failed or stopped multi-rank run's error, kept until the process ends (distributed.leave:
+# os._exit).
 # Freeing its traceback frees the step's objects and with them the last reference to the process
 # group, whose gloo destructor can then wait out the collective timeout for a peer that has
 # already exited: a 2-rank run stopped on a deleted run directory sometimes ended only after
 # run.timeout_s, its surviving rank caught at this function's return.
-_FAILED: list[DtlabError] = []
+_FAILED: list[BaseException] = []
 
 
 def main(argv: list[str] | None = None) -> int:
