@@ -331,7 +331,7 @@ def test_sync_cost_is_added_to_collectives_that_follow_compute() -> None:
     the rank's own compute, once for a run of calls issued back to back, never to messages."""
     from dataclasses import replace
 
-    from dtlab.predict.events import Wait, mark_after_compute
+    from dtlab.predict.events import Wait, mark_arrivals
 
     c = load_cluster("cpu_gloo")
     assert c.intra.sync_s and c.intra.sync_for(2) > 0 and c.intra.sync_for(8) == c.intra.sync_for(4)
@@ -345,7 +345,7 @@ def test_sync_cost_is_added_to_collectives_that_follow_compute() -> None:
               Compute("optimizer", seconds=1e-5), Issue(2, "broadcast", 64, (0, 1)), Wait(1),
               Compute("forward", flops=1e6), Issue(3, "all_reduce", 64, (0, 1)), Wait(3),
               Issue(4, "all_reduce", 64, (0, 1))]
-    marked = [e.after_compute for e in mark_after_compute(events) if isinstance(e, Issue)]
+    marked = [e.after_compute for e in mark_arrivals(events) if isinstance(e, Issue)]
     assert marked == [True, False, True, False]
     gpu = load_cluster("h100_sxm_8x")  # not measured there: nothing added
     big = Issue(1, "all_reduce", 1 << 20, tuple(range(8)))
@@ -359,14 +359,14 @@ def test_calls_issued_back_to_back_are_priced_with_the_burst_factor(tmp_path: Pa
     keep their price. A factor without its source is one line."""
     from dataclasses import replace
 
-    from dtlab.predict.events import Wait, mark_after_compute
+    from dtlab.predict.events import Wait, mark_arrivals
 
     events = [Compute("optimizer", seconds=1e-3), Issue(1, "broadcast", 64, (0, 1)),
               Compute("optimizer", seconds=1e-5), Issue(2, "broadcast", 64, (0, 1)),
               Issue(3, "broadcast", 64, (0, 1)), Wait(1), Issue(4, "all_reduce", 64, (0, 1)),
               Compute("forward", seconds=1e-3), Issue(5, "all_reduce", 64, (0, 1)),
               Issue(6, "send", 64, (0, 1)), Issue(7, "all_reduce", 64, (0, 1))]
-    marked = [(e.id, e.in_burst) for e in mark_after_compute(events) if isinstance(e, Issue)]
+    marked = [(e.id, e.in_burst) for e in mark_arrivals(events) if isinstance(e, Issue)]
     assert marked == [(1, True), (2, True), (3, True), (4, False), (5, False), (6, False),
                       (7, False)]
     burst = "burst: {broadcast: {2: 1.5, 4: 0.25}}\n  burst_source: measured"

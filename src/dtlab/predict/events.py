@@ -48,7 +48,7 @@ class Issue:
     # sits on the compute's critical path; the others (DDP, FSDP, ZeRO) on the wrappers' own
     # buffers, which a GPU's side streams run ahead or behind the compute (streams.py)
     functional: bool = False
-    # The rank computed on its own since its last Issue or Wait (mark_after_compute): the ranks
+    # The rank computed on its own since its last Issue or Wait (mark_arrivals): the ranks
     # come to this call out of step, as to the first of a run of calls issued back to back
     after_compute: bool = False
     # One of a run of two or more collectives issued back to back (no compute of the rank's own,
@@ -85,11 +85,11 @@ class Trace:
 ON_ITS_OWN_S = 50e-6  # compute shorter than this between two calls cannot put ranks out of step
 
 
-def mark_after_compute(events: list[Event]) -> list[Event]:
-    """The events with `after_compute` set on each Issue that follows compute of the rank's own
-    since its last Issue or Wait: at least ON_ITS_OWN_S measured, or FLOPs counted where the
-    trace has no seconds (price.py adds a link's sync cost to those); and `in_burst` on the
-    collectives of each run of two or more issued back to back."""
+def mark_arrivals(events: list[Event]) -> list[Event]:
+    """How each collective arrives: the events with `after_compute` set on each Issue that follows
+    compute of the rank's own since its last Issue or Wait (at least ON_ITS_OWN_S measured, or
+    FLOPs counted where the trace has no seconds: price.py adds a link's sync cost to those), and
+    `in_burst` on the collectives of each run of two or more issued back to back."""
     out: list[Event] = []
     seconds, flops = 0.0, 0.0
     run: list[int] = []  # positions in `out` of the current run's collectives

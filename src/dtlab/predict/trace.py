@@ -41,7 +41,7 @@ from dtlab.config.strategies import registry
 from dtlab.data import spec_for
 from dtlab.errors import ConfigError
 from dtlab.predict.counting import CountingMode
-from dtlab.predict.events import Compute, Event, Issue, Trace, mark_after_compute
+from dtlab.predict.events import Compute, Event, Issue, Trace, mark_arrivals
 from dtlab.predict.fake_host import fake_reducers, host_mode, on_host
 from dtlab.predict.places import Places, stepper
 from dtlab.predict.record import BACKEND, recording_group
@@ -224,7 +224,7 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
                 notes.append("the timed steps' events differ from the counted one's: no seconds")
             else:
                 events = merged
-        events = mark_after_compute(_kept(events))
+        events = mark_arrivals(_kept(events))
         state = strategy.state_bytes(model, optimizer)  # after the steps: the optimizer's state
     s = registry.of(cfg)
     label = s.label_of(strategy.describe()) if s.label else s.name
