@@ -1,14 +1,14 @@
 """`dtlab predict`'s step time against real runs here, and its collectives against a real step's.
 
     python benchmarks/predict_vs_measured.py [--configs gpt,cnn] [--strategies ddp,fsdp,...]
-        [--ranks 1,2,4] [--variants base,accum,ac] [--steps 12] [--cluster cpu_gloo]
+        [--ranks 1,2,4] [--variants base,accum,ac] [--steps N] [--cluster cpu_gloo]
         [--no-collectives | --collectives-only] [--json FILE]
 
 For each row (config, variant, strategy, ranks): the predicted step (dtlab.predict.core.
 predict_step: compute measured on this CPU at the strategy's per-rank shapes, communication
 priced by the cluster file, one step simulated) beside the median step of a real `dtlab train`
-of `--steps` steps on as many local gloo ranks (dtlab.predict.truth.measure_run), the median of
-`--runs` such runs (the same program's step differs from run to run here, by up to 30% for the
+of `--steps` steps (STEPS below) on as many local gloo ranks (dtlab.predict.truth.measure_run),
+the median of `--runs` such runs (the same program's step differs from run to run here, by up to 30% for the
 CNN at 2 ranks, a hand-written DDP loop as much: docs/benchmarks.md), and the error;
 then the mean absolute error and the largest. Where 4 ranks share 2 cores, the run shares them
 and the prediction says how it scaled the compute (its notes and sources).
@@ -41,6 +41,10 @@ from dtlab.errors import ConfigError
 from dtlab.predict.truth import measure_run, split_alone
 
 ROOT = Path(__file__).resolve().parents[1]
+# Steps per run, unless --steps: enough that a run times about a second of steps after its
+# warm-up (the CNN's 10-70 ms steps: a 1-rank fsdp row measured 13.5-23.3 ms over four runs of 12
+# steps, 13.1-14.6 ms over four of 60; 2026-11-28)
+STEPS = {"gpt": 12, "cnn": 48}
 CONFIGS = {  # label -> (config file, overrides): small enough that a run takes seconds here
     "gpt": (str(ROOT / "configs/tp_gpt.yaml"), ["data.synthetic.train_samples=2048",
                                     "data.synthetic.val_samples=64"]),
@@ -145,11 +149,12 @@ def run_row(config: str, variant: str, strategy: str, ranks: int, args: argparse
         except Exception as e:  # one row's failure must not lose the others  # noqa: BLE001
             return {**row, "skipped": f"prediction failed: {type(e).__name__}: "
                                       f"{str(e).strip().splitlines()[0]}"}
-        runs = [measure_run(path, [*overrides, *parse_spec(strategy)], ranks, args.steps,
+        steps = args.steps or STEPS[config]
+        runs = [measure_run(path, [*overrides, *parse_spec(strategy)], ranks, steps,
                             record=record and i == 0) for i in range(args.runs)]
         measured = runs[0]
         step = statistics.median(r["step_s"] for r in runs)
-        row |= {"predicted_s": predicted["step_s"], "measured_s": step,
+        row |= {"predicted_s": predicted["step_s"], "measured_s": step, "steps": steps,
                 "measured_runs_s": [r["step_s"] for r in runs],
                 "error": predicted["step_s"] / step - 1,
                 "sources": predicted["sources"], "notes": predicted["notes"]}
@@ -192,7 +197,8 @@ def main() -> None:
     parser.add_argument("--variants", type=split, default=list(VARIANTS))
     parser.add_argument("--full", action="store_true",
                         help="every variant for every strategy and rank count (hours)")
-    parser.add_argument("--steps", type=int, default=12, help="steps per run (a third warm-up)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per run, a third warm-up (default: gpt 12, cnn 48)")
     parser.add_argument("--runs", type=int, default=3,
                         help="runs per row; measured: the median of their median steps")
     parser.add_argument("--cluster", default="cpu_gloo")
@@ -225,12 +231,13 @@ def main() -> None:
             said.append(f"collectives {row['collectives']}")
         print(f"[{time.monotonic() - started:5.0f} s] {config} {variant} {strategy} x{ranks}: "
               f"{'; '.join(said)}", flush=True)
-    print(f"\n{time.strftime('%Y-%m-%d')}, cluster {cluster.name}, {args.steps} steps per run\n")
+    steps = args.steps or ", ".join(f"{c} {n}" for c, n in STEPS.items() if c in args.configs)
+    print(f"\n{time.strftime('%Y-%m-%d')}, cluster {cluster.name}, steps per run: {steps}\n")
     print(markdown(rows))
     if args.json:
         errors = [abs(r["error"]) for r in rows if "error" in r]
         args.json.write_text(json.dumps({
-            "date": time.strftime("%Y-%m-%d"), "cluster": cluster.name, "steps": args.steps,
+            "date": time.strftime("%Y-%m-%d"), "cluster": cluster.name, "steps": steps,
             "rows": rows, "mean_abs_error": sum(errors) / len(errors) if errors else None,
             "max_abs_error": max(errors, default=None)}, indent=1))
 

@@ -1,0 +1,140 @@
+"""A cluster file for this CPU host, every number measured here now: what `cpu_gloo` ships, for
+the machine you are on. Run it on a quiet machine (nothing else running: the script refuses to
+call a measurement good when the load average says otherwise).
+
+    python benchmarks/calibrate_cpu.py --out DIR [--quick]
+    dtlab predict --cluster DIR/cluster.yaml ...   (or benchmarks/predict_vs_measured.py --cluster)
+
+In order, each writing its JSON into DIR (about 15 min on 2 cores; --quick: fewer iterations):
+  1. `dtlab comm --op all` on 2 and on 4 local ranks: the links' alpha-beta fits; an op whose fit
+     the fit's own checks refuse is left out of `fits:` (priced from all_reduce's), as cpu_gloo does
+  2. benchmarks/sync_cost.py on 2 and 4 ranks: a collective's cost after the rank's own compute
+  3. benchmarks/burst_cost.py on 2 and 4 ranks: calls issued back to back, over the new fits' price
+  4. benchmarks/overlap_slowdown.py: compute beside communication, and communication beside compute
+Then DIR/cluster.yaml: the shipped cpu_gloo file with these numbers and their sources (date, load
+average, file). The peak, cores and memory stay `measure`/`machine`: read when predicting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "src/dtlab/predict/clusters/cpu_gloo.yaml"
+COMM = {2: ["--min-bytes", "1K", "--max-bytes", "4M", "--factor", "64", "--iters", "30"],
+        4: ["--min-bytes", "1K", "--max-bytes", "64M", "--factor", "16", "--iters", "50"]}
+
+
+def run(cmd: list[str], what: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {what}: {' '.join(cmd[1:])}", flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+def fitted_ops(path: Path) -> list[str]:
+    """The ops whose fit passes its checks (all_reduce among them, or the file is unusable)."""
+    from dtlab.comm.model import fit_file
+
+    fits = fit_file(path)
+    kept = [op for op, m in fits.items() if not m["refused"]]
+    if "all_reduce" not in kept:
+        sys.exit(f"{path}: the all_reduce fit is refused ({fits['all_reduce']['refused']}); "
+                 "fix: measure again on a quiet machine")
+    return kept
+
+
+def stamp(data: dict[str, Any], path: Path) -> str:
+    load = data.get("load_average") or ["?", "?"]
+    return (f"measured on this host by benchmarks/calibrate_cpu.py on {time.strftime('%Y-%m-%d')}"
+            f" (load average {load[0]:.2f} before, {load[-1]:.2f} after; {path.name})")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="directory for the results and cluster.yaml")
+    p.add_argument("--quick", action="store_true", help="fewer iterations: a rough file in ~5 min")
+    p.add_argument("--allow-busy", action="store_true",
+                   help="measure on a loaded machine anyway (its numbers are the load's)")
+    args = p.parse_args()
+    load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    if load > 0.5 * cores and not args.allow_busy:
+        print(f"calibrate_cpu.py: the machine is busy (load average {load:.2f} on {cores} cores): "
+              "the numbers would be those of its other work; fix: stop it and run again, or "
+              "--allow-busy", file=sys.stderr)
+        return 2
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    py, dtlab = sys.executable, [sys.executable, "-m", "dtlab"]
+    spec = yaml.safe_load(SHIPPED.read_text())
+
+    results = []
+    for world, flags in COMM.items():
+        path = out / f"comm_{world}ranks.json"
+        flags = [*flags[:-1], "10"] if args.quick else flags
+        run([*dtlab, "comm", "--op", "all", "--nproc-per-node", str(world), *flags,
+             "--json", str(path)], f"links, {world} ranks")
+        results.append({"file": path.name, "fits": fitted_ops(path)})
+    spec["intra"]["comm_results"] = results
+    spec["intra"].pop("fits", None)
+    spec["intra"]["source"] = (f"dtlab comm on this host, {time.strftime('%Y-%m-%d')}: gloo ranks on "
+                               "loopback, 2 ranks 1 KiB - 4 MiB, 4 ranks 1 KiB - 64 MiB (refused "
+                               "fits left out of `fits`: priced from all_reduce's)")
+    spec["inter"] = copy.deepcopy(spec["intra"])
+    spec["inter"]["source"] = "no second host here: the same loopback fits as intra"
+    cluster = out / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump(spec, sort_keys=False, width=100))
+
+    sync, burst = {}, {}
+    repeats = ["--repeats", "20", "--rounds", "3"] if args.quick else []
+    for world in (2, 4):
+        path = out / f"sync_cost_{world}ranks.json"
+        run([py, "benchmarks/sync_cost.py", "--world", str(world), *repeats, "--json", str(path)],
+            f"sync cost, {world} ranks")
+        data = json.loads(path.read_text())
+        us = round(data["sync_s"] * 1e6)
+        # Below zero: the noise is larger than the cost; withheld (0), and said so
+        sync[world] = (max(us, 0), stamp(data, path) + ("" if us >= 0 else
+                                                        f"; measured {us} us: noise, not used"))
+    for world in (2, 4):
+        path = out / f"burst_cost_{world}ranks.json"
+        rounds = ["--rounds", "5"] if args.quick else []
+        run([py, "benchmarks/burst_cost.py", "--world", str(world), "--cluster", str(cluster),
+             *rounds, "--json", str(path)], f"burst factors, {world} ranks")
+        data = json.loads(path.read_text())
+        burst[world] = ({op: round(f, 2) for op, f in data["factors"].items()}, stamp(data, path))
+    path = out / "overlap_slowdown.json"
+    run([py, "benchmarks/overlap_slowdown.py", *(["--repeats", "15"] if args.quick else []),
+         "--json", str(path)], "overlap slowdowns")
+    overlap = json.loads(path.read_text())
+
+    for key in ("intra", "inter"):
+        link = spec[key]
+        link["comm_results"] = copy.deepcopy(results)
+        link["sync_us"] = {w: us for w, (us, _) in sync.items()}
+        link["sync_source"] = "; ".join(f"{w} ranks: {s}" for w, (_, s) in sync.items())
+        ops = sorted({op for factors, _ in burst.values() for op in factors})
+        link["burst"] = {op: {w: f[op] for w, (f, _) in burst.items() if op in f} for op in ops}
+        link["burst_source"] = "; ".join(f"{w} ranks: {s}" for w, (_, s) in burst.items())
+    spec["overlap_slowdown"] = round(overlap["overlap_slowdown"], 2)
+    spec["overlap_slowdown_source"] = stamp(overlap, path)
+    spec["comm_overlap_slowdown"] = round(overlap["comm_overlap_slowdown"], 2)
+    spec["comm_overlap_slowdown_source"] = stamp(overlap, path)
+    cluster.write_text(f"# This host, measured by benchmarks/calibrate_cpu.py on "
+                       f"{time.strftime('%Y-%m-%d %H:%M')} ({os.cpu_count()} cores).\n"
+                       + yaml.safe_dump(spec, sort_keys=False, width=100))
+    print(f"wrote {cluster}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
