@@ -141,7 +141,7 @@ def test_deepspeed_zero3_trace_leaves_the_process_as_it_was() -> None:
     assert {k: os.environ.get(k) for k in environ} == environ
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [2, 3])  # 1 takes 2's code path (stage_1_and_2.py)
 def test_deepspeed_on_the_meta_device_issues_the_collectives_of_a_real_step(stage: int) -> None:
     """deepspeed at 2 ranks traced without values (a GPU cluster's roofline prediction): its
     host reads of norms and overflow flags see a healthy step, ZeRO-3 settles its prefetch in
