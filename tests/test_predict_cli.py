@@ -104,7 +104,23 @@ def test_deepspeed_is_predicted_from_the_roofline(stage: int) -> None:
     assert rows[f"deepspeed:{stage}"]["sources"]["compute"] == rows["fsdp"]["sources"]["compute"]
 
 
+def test_strategies_traced_side_by_side_predict_what_one_process_does() -> None:
+    """Without --measure the strategies' traces run in forked processes (--jobs): the rows are
+    those of one process tracing them one after the other, number for number, in order."""
+    args = ["predict", "--world-size", "16", "--gpus-per-node", "8", "--cluster", "h100_sxm_8x",
+            "--strategies", "ddp,fsdp,zero1", "--json"]
+    serial, forked = dtlab(*args, "--jobs", "1"), dtlab(*args, "--jobs", "2")
+    assert serial.returncode == 0 and forked.returncode == 0, forked.stderr[-2000:]
+    assert json.loads(forked.stdout) == json.loads(serial.stdout)
+    assert [r["strategy"] for r in json.loads(forked.stdout)["rows"]] == ["ddp", "fsdp", "zero1"]
+    # a strategy's own refusal, raised in its process: said once, as one process says it
+    refused = dtlab(*args[:7], "--strategies", "ddp,tp", "--jobs", "2")
+    assert refused.returncode == 2 and refused.stderr.count("dtlab: error:") == 1
+    assert "--strategies 'tp' on --world-size 16" in refused.stderr
+
+
 CASES = [
+    ("jobs with measure", "predict --world-size 2 --cluster cpu_gloo --measure --jobs 2", "--jobs"),
     ("advise by time without a config",
      "advise --n-params 7e9 --gpus 8 --gpu-memory 80 --cluster h100_sxm_8x", "--config"),
     ("unknown cluster", "predict --world-size 8 --cluster h99_pcie", "h99_pcie"),

@@ -46,6 +46,9 @@ def add_predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=integer(1, "--threads 1"), metavar="N",
                    help="with --measure on a CPU: torch threads per rank (default: the cores "
                    "over the ranks per node, as dtlab train sets them)")
+    p.add_argument("--jobs", type=integer(1, "--jobs 2"), metavar="N",
+                   help="strategies traced side by side, one process each, where nothing is "
+                   "timed (default: one per core; --measure: 1)")
     p.add_argument("--validate", action="store_true", help="run each strategy here on 1, 2 and 4 "
                    "local ranks and print the predicted step time beside the measured one")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -60,6 +63,9 @@ def check_arguments(args: argparse.Namespace) -> None:
                          "--world-size 64 --gpus-per-node 8 --cluster h100_sxm_8x")
     if args.save_profile and not args.measure:
         raise DtlabError("--save-profile writes what --measure measured; fix: add --measure")
+    if args.jobs and args.jobs > 1 and (args.measure or args.validate):
+        raise DtlabError(f"--jobs {args.jobs}: a measured trace is timed, alone on the machine; "
+                         "fix: drop --jobs")
     if args.profile and args.measure:
         raise DtlabError("--profile and --measure both give the compute; fix: give one")
     if args.step_time and not args.profile:
@@ -115,7 +121,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     with stdout_kept_for_result(args.json):
         cluster = load_cluster(args.cluster)
         req = request(args, args.world_size, cluster)
-        rows = predict_all(req, [t.strip() for t in args.strategies.split(",")], args.save_profile)
+        rows = predict_all(req, [t.strip() for t in args.strategies.split(",")],
+                           args.save_profile, args.jobs)
     from dtlab.predict.core import fastest
 
     best = fastest(rows)
@@ -135,11 +142,16 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-def predict_all(req: Any, tokens: list[str], save_profile: str | None) -> list[dict[str, Any]]:
+def predict_all(req: Any, tokens: list[str], save_profile: str | None,
+                jobs: int | None = None) -> list[dict[str, Any]]:
     from dtlab.predict.core import predict
     from dtlab.predict.profile import Profile
+    from dtlab.predict.side_by_side import rows_side_by_side, workers
 
     rows, record = [], Profile({}) if save_profile else None
+    count = 1 if record is not None else workers(req, tokens, jobs)
+    if count > 1:
+        return rows_side_by_side(req, tokens, count)
     for token in tokens:
         rows.append(predict(req, token, record))
     if record is not None:

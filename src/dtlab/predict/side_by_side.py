@@ -1,0 +1,68 @@
+"""Several strategies predicted at once, one forked process each, where nothing is timed.
+
+A trace without values (the roofline: a GPU cluster predicted from this CPU, or a model too large
+to run here) spends its seconds in Python dispatch: an 8B Llama at 64 ranks takes 6-8 s per
+strategy on a 2-core host. The strategies' traces are independent of each other, so they run side
+by side, one process per core. The processes are forked after the parent has imported what every
+trace needs and counted the model's FLOPs once (a Llama's transformers import and FLOP count take
+~6 s, which each spawned process would pay again). Nothing in such a trace is timed, so running
+them together changes no number (tests/test_predict_cli.py compares the rows with a serial run);
+a measured trace (--measure, --save-profile) is timed and runs alone, as does everything where
+CUDA is initialised in this process (forking it is undefined) or one core is all there is.
+
+Ctrl-C reaches the parent alone: it ends the children (and a SIGKILLed parent takes them along,
+PR_SET_PDEATHSIG), and only it says the one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+from typing import Any
+
+_REQUEST: Any = None  # the parent's Request, inherited by the forked children
+
+
+def workers(req: Any, tokens: list[str], jobs: int | None = None) -> int:
+    """How many processes predict `tokens` (1: here, one after the other): `jobs`, else one per
+    core, at most one per token."""
+    import torch
+
+    if req.measure or len(tokens) < 2 or not hasattr(os, "fork") or torch.cuda.is_initialized():
+        return 1
+    return min(len(tokens), jobs or len(os.sched_getaffinity(0)))
+
+
+def rows_side_by_side(req: Any, tokens: list[str], count: int) -> list[dict[str, Any]]:
+    """predict(req, token) for every token, in order, in `count` forked processes. The first
+    token's error (a ConfigError: a world the strategy cannot take) is raised as serial would."""
+    from dtlab.predict.core import model_flops, strategy_config
+
+    global _REQUEST
+    model_flops(strategy_config(req, tokens[0]))  # imports and FLOPs, shared by the forks
+    _REQUEST = req
+    try:
+        with mp.get_context("fork").Pool(count, initializer=_child) as pool:
+            return list(pool.imap(_predict, tokens))
+    finally:
+        _REQUEST = None
+
+
+def _child() -> None:
+    import ctypes
+
+    import torch
+
+    torch.set_num_threads(1)  # a trace without values computes nothing: no OpenMP after a fork
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops; it ends the pool
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PDEATHSIG
+
+
+def _predict(token: str) -> dict[str, Any]:
+    from dtlab.predict.core import predict
+
+    return predict(_REQUEST, token)
