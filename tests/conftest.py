@@ -308,25 +308,24 @@ def local_sweep(session_dir: Path) -> tuple[Path, subprocess.CompletedProcess[st
 # fixtures run once), the tests sharing the local sweep, the tests that start the local SLURM
 # cluster; each guide chapter is its own group, so chapters spread over both workers.
 GROUPS = {"test_report_browser": "sweep", "test_sweep": "sweep", "test_slurm": "slurm"}
-# Seconds a group takes on one core (measured 2026-11-23; slurm: with installing SLURM on a fresh
-# machine), heaviest first: with
-# --no-loadscope-reorder xdist hands out groups in collection order, each to the worker that
-# runs out of work first, so the long ones start first and the short ones fill both workers
-# up to the end (xdist's default order, by test count, would start the one-test chapters last).
-COST = {"slurm": 105, "guide-11-predict.md": 36, "test_predict_collectives": 25,
-        "test_predict_trace": 22, "test_tp_hf": 20, "test_loop_overhead": 12, "test_signals": 82, "guide-08-failure-modes.md": 74, "guide-02-ddp.md": 56,
-        "test_reliability": 51, "guide-03-fsdp.md": 48, "test_zero": 47,
-        "guide-05-model-parallel.md": 43, "test_train_features": 34, "test_launch": 32,
-        "test_ddp_hooks": 29, "guide-04-zero.md": 27, "guide-07-communication.md": 26,
-        "test_model_parallel": 25, "sweep": 22, "test_estimate": 21, "guide-09-levers.md": 21,
-        "test_activation_checkpoint": 19, "test_parity": 15, "test_faults": 9, "test_doctor": 8,
-        "test_optimizer_impl": 8, "test_hsdp": 7, "test_config": 7, "test_bad_inputs": 7,
-        "test_channels_last": 6, "test_results": 5, "guide-01-single.md": 4, "test_compile": 4,
-        "test_grad_norm": 4, "test_text": 8, "test_hf": 40, "test_export_hf": 11,
-        "test_lora": 10, "guide-10-your-own-model.md": 13, "test_deepspeed_checkpoint": 10,
-        "test_run_report": 9, "test_profile": 10, "test_orphans": 45, "test_run_dir": 20,
-        "test_bad_inputs_26": 12, "test_numbers_friction": 10, "test_atomic_writes": 8,
-        "test_bad_inputs_audit2": 8, "test_sample_ranks": 25, "test_trackers": 20,
+# Seconds a group takes on one core, heaviest first (measured 2026-11-28 in a full -n 2 run on a
+# busy machine; slurm: with installing SLURM on a fresh machine; groups of 5 s or less left at the
+# default): with --no-loadscope-reorder xdist hands out groups in collection order, each to the
+# worker that runs out of work first, so the long ones start first and the short ones fill both
+# workers up to the end (xdist's default order, by test count, would start the one-test chapters
+# last). A cost far below the truth starts a long group late: it then ends the suite alone.
+COST = {"slurm": 200, "guide-11-predict.md": 120, "test_signals": 105, "guide-05-model-parallel.md": 97,
+        "test_train_features": 90, "guide-08-failure-modes.md": 88, "guide-02-ddp.md": 77,
+        "guide-03-fsdp.md": 74, "test_zero": 74, "test_orphans": 69, "test_predict_trace": 61,
+        "test_reliability": 61, "test_hf": 55, "sweep": 47, "test_estimate": 46, "test_launch": 46,
+        "guide-09-levers.md": 34, "test_model_parallel": 29, "test_trackers": 28,
+        "guide-07-communication.md": 28, "test_activation_checkpoint": 28, "test_ddp_hooks": 28,
+        "guide-10-your-own-model.md": 26, "guide-04-zero.md": 25, "test_predict_collectives": 22,
+        "test_parity": 21, "test_run_dir": 13, "test_faults": 10, "test_optimizer_impl": 10,
+        "test_doctor": 9, "test_channels_last": 8, "test_config": 8, "test_hsdp": 8,
+        "test_bad_inputs_audit2": 8, "test_tp_hf": 8, "test_predict_cli": 6,
+        "test_sample_ranks": 6, "test_deepspeed_checkpoint": 6, "guide-01-single.md": 6,
+        "test_bad_inputs": 6,
         # ~35 s, but started last (cost 0): its first test waits for the async_io build that
         # .ci/run starts beside the suite (~3 min of CPU), which is done by then
         "test_nvme_offload": 0}

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from conftest import ALL_CPUS, CONFIGS, ROOT, cli, max_rel_dev, step_losses, train
@@ -118,7 +119,15 @@ def test_a_preempted_job_checkpoints_is_requeued_and_resumes_exactly(
         time.sleep(0.2)
     # SLURM holds a requeued job for 2 minutes (BeginTime); a test does not wait that long.
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
-    out, _ = sweep.communicate(timeout=max(1, deadline - time.monotonic()))
+    # The same run without the stop, trained while the job starts again and the sweep polls
+    # (this worker's core idles then; the job's tasks run unpinned): started only now, so that
+    # it cannot slow the steps the requeue had to land in.
+    ref = tmp_path / "ref"
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(train, ref, f"train.max_steps={steps}", "strategy.name=ddp",
+                                "train.checkpoint_every=1000", nproc=2)
+        out, _ = sweep.communicate(timeout=max(1, deadline - time.monotonic()))
+        reference.result()
     assert sweep.returncode == 0, out[-3000:]
     assert f"job {job} was stopped and requeued (1)" in out and "1 of 1 runs done" in out
     record = json.loads((run_dir / "run.json").read_text())
@@ -131,7 +140,4 @@ def test_a_preempted_job_checkpoints_is_requeued_and_resumes_exactly(
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"]["step"] == step and summary["steps"] == steps - step
     # The same per-step losses as the same run without the stop (measured: identical).
-    ref = tmp_path / "ref"
-    train(ref, f"train.max_steps={steps}", "strategy.name=ddp", "train.checkpoint_every=1000",
-          nproc=2)
     assert max_rel_dev(step_losses(run_dir), step_losses(ref)) < 1e-6
