@@ -55,7 +55,8 @@ def fitted_ops(path: Path) -> list[str]:
 def stamp(data: dict[str, Any], path: Path) -> str:
     load = data.get("load_average") or ["?", "?"]
     return (f"measured on this host by benchmarks/calibrate_cpu.py on {time.strftime('%Y-%m-%d')}"
-            f" (load average {load[0]:.2f} before, {load[-1]:.2f} after; {path.name})")
+            f" ({path.name}; 1-min load average {load[0]:.2f} before, {load[-1]:.2f} after, the "
+            "calibration's own earlier steps included)")
 
 
 def main() -> int:
