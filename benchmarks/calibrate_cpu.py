@@ -5,7 +5,8 @@ call a measurement good when the load average says otherwise).
     python benchmarks/calibrate_cpu.py --out DIR [--quick]
     dtlab predict --cluster DIR/cluster.yaml ...   (or benchmarks/predict_vs_measured.py --cluster)
 
-In order, each writing its JSON into DIR (about 15 min on 2 cores; --quick: fewer iterations):
+In order, each writing its JSON into DIR (3.5 min on 2 cores on 2026-11-28; --quick: fewer
+iterations):
   1. `dtlab comm --op all` on 2 and on 4 local ranks: the links' alpha-beta fits; an op whose fit
      the fit's own checks refuse is left out of `fits:` (priced from all_reduce's), as cpu_gloo does
   2. benchmarks/sync_cost.py on 2 and 4 ranks: a collective's cost after the rank's own compute
@@ -120,7 +121,6 @@ def main() -> int:
 
     for key in ("intra", "inter"):
         link = spec[key]
-        link["comm_results"] = copy.deepcopy(results)
         link["sync_us"] = {w: us for w, (us, _) in sync.items()}
         link["sync_source"] = "; ".join(f"{w} ranks: {s}" for w, (_, s) in sync.items())
         ops = sorted({op for factors, _ in burst.values() for op in factors})

@@ -8,8 +8,9 @@ For each row (config, variant, strategy, ranks): the predicted step (dtlab.predi
 predict_step: compute measured on this CPU at the strategy's per-rank shapes, communication
 priced by the cluster file, one step simulated) beside the median step of a real `dtlab train`
 of `--steps` steps (STEPS below) on as many local gloo ranks (dtlab.predict.truth.measure_run),
-the median of `--runs` such runs (the same program's step differs from run to run here, by up to 30% for the
-CNN at 2 ranks, a hand-written DDP loop as much: docs/benchmarks.md), and the error;
+the median of `--runs` such runs (the same program's step differs from run to run here, by up
+to 30% for the CNN at 2 ranks, a hand-written DDP loop as much: docs/benchmarks.md), and the
+error;
 then the mean absolute error and the largest. Where 4 ranks share 2 cores, the run shares them
 and the prediction says how it scaled the compute (its notes and sources).
 

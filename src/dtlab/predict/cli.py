@@ -149,7 +149,7 @@ def predict_all(req: Any, tokens: list[str], save_profile: str | None,
     from dtlab.predict.side_by_side import rows_side_by_side, workers
 
     rows, record = [], Profile({}) if save_profile else None
-    count = 1 if record is not None else workers(req, tokens, jobs)
+    count = workers(req, tokens, jobs)  # 1 with --measure (and so with --save-profile)
     if count > 1:
         return rows_side_by_side(req, tokens, count)
     for token in tokens:

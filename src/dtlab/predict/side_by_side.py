@@ -16,11 +16,12 @@ PR_SET_PDEATHSIG), and only it says the one line.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import signal
 from typing import Any
+
+from dtlab.process.launcher_guard import die_with_parent
 
 _REQUEST: Any = None  # the parent's Request, inherited by the forked children
 
@@ -51,15 +52,12 @@ def rows_side_by_side(req: Any, tokens: list[str], count: int) -> list[dict[str,
 
 
 def _child() -> None:
-    import ctypes
-
     import torch
 
     torch.set_num_threads(1)  # a trace without values computes nothing: no OpenMP after a fork
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops; it ends the pool
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PDEATHSIG
+    die_with_parent()
 
 
 def _predict(token: str) -> dict[str, Any]:

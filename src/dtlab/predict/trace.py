@@ -9,7 +9,8 @@ create their state), then one step with FLOPs counted, and one more, timed witho
 (its Python dispatch would inflate small kernels), whose seconds are laid on the counted step's
 Computes. On the meta device (a model too big to run here; fake_host.py) only the counted step,
 after DDP's forwards and backwards and its bucket rebuild where the strategy has DDP, and the
-strategy's own `trace_warmup` steps (its registry entry): FLOPs, no seconds. Collectives over a group of one rank move nothing: left out (Trace.meta["alone"]).
+strategy's own `trace_warmup` steps (its registry entry): FLOPs, no seconds. Collectives over a
+group of one rank move nothing: left out (Trace.meta["alone"]).
 Trace.meta["state_bytes"]: the traced rank's parameter, gradient and optimizer bytes after the
 step, the strategy's own `state_bytes` (what `dtlab estimate` measures), on either device.
 
@@ -190,7 +191,7 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
         strategy, model, optimizer, engine = r.strategy, r.model, r.optimizer, r.engine
         stepper, batches, sync, n_params, micro = r.stepper, r.batches, r.sync, r.n_params, r.micro
         if device == "meta":  # DDP's buckets (`fake_reducers`) and the strategy's trace_warmup
-            for _ in range(registry.get(cfg.strategy.name).trace_warmup):
+            for _ in range(registry.of(cfg).trace_warmup):
                 stepper(batches)
             rebuilds = fake_reducers(model, *getattr(strategy, "parts", ()))
             if rebuilds:  # the forwards and backwards give the order (no optimizer step)

@@ -62,6 +62,14 @@ def launching() -> Iterator[None]:
         yield
 
 
+def die_with_parent() -> None:
+    """Ask the kernel for SIGKILL when this process's parent dies (Linux; elsewhere nothing)."""
+    with suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
 def die_with_launcher() -> None:
     """In a child of a dtlab launcher: stop (SIGKILL) as soon as the launcher is gone. The
     variables are removed here: this process's own children are guarded by it, if it launches."""
@@ -70,10 +78,7 @@ def die_with_launcher() -> None:
         return
     launcher = int(pid_text)
     is_parent = os.getppid() == launcher
-    with suppress(OSError, AttributeError):  # the watch below covers a libc without prctl
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    die_with_parent()  # the watch below covers a libc without prctl
     if not _alive(launcher, start, is_parent):  # it died before the kernel was asked
         _orphaned(launcher)
     threading.Thread(target=_watch, args=(launcher, start, is_parent), daemon=True,
