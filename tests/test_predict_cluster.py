@@ -242,6 +242,44 @@ def test_link_with_a_fit_per_number_of_ranks_prices_from_the_nearest_below(
                            "--json file per number of ranks")
 
 
+def test_sizes_below_measured_below_are_priced_as_measured(tmp_path: Path) -> None:
+    """`measured_below: BYTES`: the line is fitted to the sizes from BYTES up, and a smaller
+    collective on the measured ranks costs what was measured (linear between the nearest sizes,
+    the line's value at BYTES above the largest), as gloo's one-element all-reduce does; on other
+    ranks, and for an op priced from all_reduce's fit, the line still answers. Without it, the
+    same points refuse the line (the small sizes' times are far off it)."""
+    alpha, beta = 50e-6, 1 / 2e9
+    line = comm_rows("all_reduce", alpha, beta)
+    small = [{"op": "all_reduce", "world_size": 2, "size_bytes": s, "time_us": us}
+             for s, us in ((4, 20.0), (64, 80.0), (64, 100.0), (64, 90.0))]  # 64 B: median 90
+    (tmp_path / "comm.json").write_text(json.dumps(small + line))
+    link = ("  comm_results:\n  - {file: comm.json, measured_below: 1024}\n"
+            "  source: dtlab comm here\n")
+    c = load_cluster(write(tmp_path, H100.split("intra:")[0] + f"intra:\n{link}inter:\n{link}"))
+    fit = c.intra.by_world[2]["all_reduce"]
+    assert fit["a_s"] == pytest.approx(2 * alpha, rel=1e-6)  # the line, as without the points
+    assert [s for s, _ in fit["below_line"]] == [4.0, 64.0]
+    assert [t for _, t in fit["below_line"]] == pytest.approx([20e-6, 90e-6])
+
+    def price(op: str, size: int, ranks: int = 2) -> float:
+        return comm_seconds(Issue(0, op, size, tuple(range(ranks))), c, 8)[0]
+
+    at_1k = 2 * alpha + 1024 * beta
+    assert price("all_reduce", 4) == pytest.approx(20e-6)
+    assert price("all_reduce", 1) == pytest.approx(20e-6)  # below the smallest: the smallest
+    assert price("all_reduce", 34) == pytest.approx(55e-6)  # halfway from 4 to 64 bytes
+    assert price("all_reduce", 544) == pytest.approx(90e-6 + (at_1k - 90e-6) / 2)
+    assert price("all_reduce", 4096) == pytest.approx(2 * alpha + 4096 * beta, rel=1e-6)
+    assert price("all_reduce", 4, ranks=4) == pytest.approx(6 * alpha + 1.5 * 4 * beta, rel=1e-6)
+    assert price("broadcast", 4) == pytest.approx(alpha + 4 * beta, rel=1e-6)  # all_reduce's line
+    plain = write(tmp_path, H100.split("intra:")[0] + "intra:\n  comm_results: comm.json\n"
+                  "  source: dtlab comm here\ninter:\n  comm_results: comm.json\n"
+                  "  source: dtlab comm here\n", "plain.yaml")
+    with pytest.raises(PoorFitError) as e:
+        load_cluster(plain)
+    assert f"the all_reduce fit of {tmp_path / 'comm.json'} (2 ranks) is refused: " in one_line(e)
+
+
 def test_comm_results_that_are_not_a_comm_file_are_one_line(tmp_path: Path) -> None:
     """A link's comm_results that is missing or not a dtlab comm file is refused in one line."""
     path = fit_cluster(tmp_path, [])

@@ -23,6 +23,13 @@ alone, leaving the latency to chance. Its quality: R^2 of log t (the same relati
 the relative residuals. a and b are then divided by the formula's step counts to
 give alpha and beta. A fit that cannot be trusted (too few sizes, time not growing with size,
 noise) is kept with the reason and what to measure instead; `predict` refuses to use it.
+
+Small messages need not follow the line: gloo's ring splits a buffer into one chunk per rank, and
+a one-element all-reduce (a flag, a gradient norm) skips most of the ring's steps (on 4 CPU ranks
+here: 0.7 ms against 4-8 ms for 16 bytes to 64 KiB, 2026-11-28). `fit(rows, line_from=BYTES)`
+fits the line to the sizes from BYTES up and keeps the smaller sizes' measured times: `predict`
+answers a size below BYTES on the measured number of ranks from those times (linear between the
+two nearest, the line's value at BYTES the last), not from the line. Default 0: all on the line.
 """
 
 from __future__ import annotations
@@ -153,11 +160,13 @@ def log_r2(t: list[float], fitted: list[float]) -> float:
     return 1 - resid / total if total > 1e-12 else 0.0
 
 
-def fit_op(op: str, pts: list[dict[str, Any]]) -> dict[str, Any]:
+def fit_op(op: str, pts: list[dict[str, Any]], line_from: float = 0.0) -> dict[str, Any]:
     n = int(pts[0]["world_size"])
     valid = [(float(p["size_bytes"]), float(p["time_us"]) * 1e-6) for p in pts
              if math.isfinite(float(p["time_us"])) and float(p["time_us"]) > 0]
     dropped = len(pts) - len(valid)  # a time of zero or less, or not a number: not a measurement
+    below = _medians([v for v in valid if v[0] < line_from])
+    valid = [v for v in valid if v[0] >= line_from]
     s, t = [v[0] for v in valid], [v[1] for v in valid]
     sizes = sorted(set(s))
     a, b = line_fit(s, t) if len(sizes) >= 2 else (sum(t) / len(t) if t else 0.0, 0.0)
@@ -174,20 +183,30 @@ def fit_op(op: str, pts: list[dict[str, Any]]) -> dict[str, Any]:
             "max_rel_residual": max(rel, default=0.0), "max_factor_off": worst[0],
             "alpha_s": a / k_alpha if k_alpha else a,
             "beta_s_per_byte": b / k_beta if k_beta else b,
-            "refused": refusal(n, sizes, a, b, r2, (worst[1], worst[0]))}
+            "refused": refusal(n, sizes, a, b, r2, (worst[1], worst[0])),
+            "line_from": line_from, "below_line": below}
 
 
-def fit(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per collective: a, b of t = a + b S (both >= 0), R^2, relative residuals, the ring-model
-    alpha and beta, and `refused`: why predictions would mislead (None when they would not)."""
+def _medians(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(size, median time) per measured size, by size."""
+    by_size: dict[float, list[float]] = {}
+    for size, t in points:
+        by_size.setdefault(size, []).append(t)
+    return [(size, sorted(ts)[len(ts) // 2]) for size, ts in sorted(by_size.items())]
+
+
+def fit(rows: list[dict[str, Any]], line_from: float = 0.0) -> dict[str, dict[str, Any]]:
+    """Per collective: a, b of t = a + b S (both >= 0) over the sizes from `line_from` bytes up,
+    R^2, relative residuals, the ring-model alpha and beta, `refused`: why predictions would
+    mislead (None when they would not), and `below_line`: the smaller sizes' measured times."""
     by_op: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         if isinstance(r, dict) and "size_bytes" in r and "time_us" in r:
             by_op.setdefault(r["op"], []).append(r)
-    return {op: fit_op(op, pts) for op, pts in by_op.items()}
+    return {op: fit_op(op, pts, line_from) for op, pts in by_op.items()}
 
 
-def fit_file(path: Path) -> dict[str, dict[str, Any]]:
+def fit_file(path: Path, line_from: float = 0.0) -> dict[str, dict[str, Any]]:
     """A `dtlab comm --json` or `--csv` file -> `fit` of its measurements. OSError, ValueError
     (a binary file's UnicodeDecodeError too), KeyError, TypeError or ArithmeticError when it is
     not one: the caller names the file and the fix."""
@@ -199,12 +218,13 @@ def fit_file(path: Path) -> dict[str, dict[str, Any]]:
             isinstance(r, dict) and "time_us" in r and not (
                 isinstance(r.get("world_size"), int) and r["world_size"] >= 2) for r in rows):
         raise ValueError(f"{path}: not a list of measurements on 2 ranks or more")
-    return fit(rows)
+    return fit(rows, line_from)
 
 
 def predict(model: dict[str, dict[str, Any]], op: str, size_bytes: float, n: int) -> dict[str, float]:
     """Time (s) of `op` on S bytes and n ranks, ring and tree forms, from that op's fit (or the
-    all_reduce fit when the op was not measured). PoorFitError when that fit was refused."""
+    all_reduce fit when the op was not measured); below the fit's `line_from` on the ranks it
+    measured, its measured times (module docstring). PoorFitError when that fit was refused."""
     if not (n >= 1 and math.isfinite(size_bytes) and size_bytes >= 0):
         raise ValueError(f"{size_bytes:g} bytes on {n} ranks is not a collective (ranks >= 1, "
                          "bytes >= 0)")
@@ -214,11 +234,28 @@ def predict(model: dict[str, dict[str, Any]], op: str, size_bytes: float, n: int
         raise KeyError(f"no fit for {op} (nor all_reduce) in the measurements")
     if params.get("refused"):
         raise PoorFitError(f"no prediction for {op} from the {name} fit: {params['refused']}")
+    if name == op and n == params["world_size"] and params.get("below_line") \
+            and size_bytes < params["line_from"]:
+        t = _between(params, size_bytes)
+        return {"ring_s": t, "tree_s": t}
     alpha, beta = params["alpha_s"], params["beta_s_per_byte"]
     ring_a, ring_b = ring_terms(op, n)
     tree_a, tree_b = tree_terms(op, n)
     return {"ring_s": ring_a * alpha + ring_b * size_bytes * beta,
             "tree_s": tree_a * alpha + tree_b * size_bytes * beta}
+
+
+def _between(params: dict[str, Any], size: float) -> float:
+    """The measured time of `size` bytes below the line: linear between the two nearest
+    measured sizes (the line's value at `line_from` above the largest), the smallest's below."""
+    start = params["line_from"]
+    points = [*params["below_line"], (start, params["a_s"] + params["b_s_per_byte"] * start)]
+    if size <= points[0][0]:
+        return points[0][1]
+    for (s0, t0), (s1, t1) in zip(points, points[1:], strict=False):
+        if size <= s1:
+            return t0 + (t1 - t0) * (size - s0) / (s1 - s0)
+    return points[-1][1]
 
 
 def _bandwidth(seconds_per_byte: float) -> str:

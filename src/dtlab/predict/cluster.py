@@ -13,7 +13,9 @@ comm_overlap_slowdown (communication while compute runs), each with its `*_sourc
 nccl-tests' bus-bandwidth convention (price.py). A link is either a bus bandwidth and a latency,
 or `comm_results:` a `dtlab comm --json` (or --csv) file, relative to the cluster file, whose
 alpha-beta fit (dtlab/comm/model.py) prices it; a fit that model refuses is refused here, when
-the file loads.
+the file loads. An entry `{file: F, measured_below: BYTES}` prices the sizes below BYTES from
+F's measured times on its ranks and fits the line to the larger ones (gloo's one-element
+collectives cost a fraction of its line's latency).
 
 Every mistake in a file (YAML, a key written twice, an unknown or missing key, a number out of
 range, an unusable fit) is one ConfigError line naming the file, the key and the fix.
@@ -190,10 +192,11 @@ def _link(spec: LinkSpec, path: Path, key: str) -> Link:
     by_world: dict[int, dict[str, dict[str, Any]]] = {}
     names = []
     for entry in entries:
-        name, fits = (entry, spec.fits) if isinstance(entry, str) else (entry.file, entry.fits)
+        name, fits, below = (entry, spec.fits, 0) if isinstance(entry, str) else \
+            (entry.file, entry.fits, entry.measured_below)
         names.append(name)
         results = path.parent / name if not Path(name).is_absolute() else Path(name)
-        used = _used_fits(fits, _fit_of(results, path, key), results, path, key)
+        used = _used_fits(fits, _fit_of(results, path, key, below), results, path, key)
         worlds = sorted({m["world_size"] for m in used.values()})
         if len(worlds) != 1 or worlds[0] in by_world:
             what = "several numbers of ranks" if len(worlds) != 1 else \
@@ -241,13 +244,13 @@ def _used_fits(fits: list[str] | None, fitted: dict[str, dict[str, Any]], result
     return used
 
 
-def _fit_of(results: Path, path: Path, key: str) -> dict[str, dict[str, Any]]:
+def _fit_of(results: Path, path: Path, key: str, line_from: int) -> dict[str, dict[str, Any]]:
     measure = f"measure it with dtlab comm --op all --json {results}"
     if not results.is_file():
         raise ConfigError(f"cluster file '{path}': {key}.comm_results '{results}' not found; "
                           f"fix: {measure}, or correct the path (relative to the cluster file)")
     try:
-        fitted = fit_file(results)
+        fitted = fit_file(results, line_from)
     except (OSError, ValueError, KeyError, TypeError, ArithmeticError):
         raise ConfigError(f"cluster file '{path}': {key}.comm_results '{results}' is not a "
                           f"dtlab comm --json/--csv file; fix: {measure}") from None

@@ -28,6 +28,8 @@ class _ResultsSpec(_Strict):
 
     file: _Source
     fits: list[Literal[FIT_OPS]] | None = None  # type: ignore[valid-type]
+    # sizes below this many bytes are priced as measured, not from the line (comm/model.py)
+    measured_below: Annotated[int, Field(ge=0, strict=True)] = 0
 
 
 class LinkSpec(_Strict):
