@@ -252,8 +252,9 @@ def memory(req: Request, token: str, traces: dict[int, Trace], notes: list[str])
     from dtlab.estimate import core
     from dtlab.estimate.cli import config_batch, config_checkpointing
 
-    model = core.model_from_config(req.path, req.overrides)
-    args = argparse.Namespace(config=req.path, overrides=req.overrides, micro_batch=None)
+    overrides = [*req.overrides, *registry.parse(token)]  # the token's batch split, not the file's
+    model = core.model_from_config(req.path, overrides)
+    args = argparse.Namespace(config=req.path, overrides=overrides, micro_batch=None)
     micro, cfg = config_batch(args, model, req.world, req.ranks_per_node)
     setup = core.Setup(model, req.world, req.ranks_per_node, core.precision_of(cfg),
                        core.optimizer_of(cfg), micro, config_checkpointing(model), None,

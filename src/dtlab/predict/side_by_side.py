@@ -9,6 +9,8 @@ trace needs and counted the model's FLOPs once (a Llama's transformers import an
 them together changes no number (tests/test_predict_cli.py compares the rows with a serial run);
 a measured trace (--measure, --save-profile) is timed and runs alone, as does everything where
 CUDA is initialised in this process (forking it is undefined) or one core is all there is.
+The model-parallel strategies start first: DTensor's dispatch makes theirs the longest traces
+(fsdp_tp@8x8: 15 of the 8B's 52 s of tracing here), and one started last would end alone.
 
 Ctrl-C reaches the parent alone: it ends the children (and a SIGKILLed parent takes them along,
 PR_SET_PDEATHSIG), and only it says the one line.
@@ -21,6 +23,7 @@ import os
 import signal
 from typing import Any
 
+from dtlab.errors import DtlabError
 from dtlab.process.launcher_guard import die_with_parent
 
 _REQUEST: Any = None  # the parent's Request, inherited by the forked children
@@ -38,17 +41,36 @@ def workers(req: Any, tokens: list[str], jobs: int | None = None) -> int:
 
 def rows_side_by_side(req: Any, tokens: list[str], count: int) -> list[dict[str, Any]]:
     """predict(req, token) for every token, in order, in `count` forked processes. The first
-    token's error (a ConfigError: a world the strategy cannot take) is raised as serial would."""
+    token's error (a ConfigError: a world the strategy cannot take) is raised as serial would
+    raise it."""
     from dtlab.predict.core import model_flops, strategy_config
 
     global _REQUEST
     model_flops(strategy_config(req, tokens[0]))  # imports and FLOPs, shared by the forks
+    order = sorted(range(len(tokens)), key=lambda i: -_model_parallel(req, tokens[i]))
     _REQUEST = req
     try:
         with mp.get_context("fork").Pool(count, initializer=_child) as pool:
-            return list(pool.imap(_predict, tokens))
+            done = dict(zip(order, pool.imap(_predict, [tokens[i] for i in order]), strict=True))
     finally:
         _REQUEST = None
+    rows = [done[i] for i in range(len(tokens))]
+    for row in rows:
+        if isinstance(row, DtlabError):
+            raise row
+    return rows
+
+
+def _model_parallel(req: Any, token: str) -> int:
+    """Ranks that share one copy of the model under `token` (0 where it cannot run)."""
+    from dtlab.config.strategies import registry
+    from dtlab.predict.core import strategy_config
+
+    try:
+        cfg = strategy_config(req, token)
+        return registry.of(cfg).model_parallel_size(cfg, req.world)
+    except DtlabError:
+        return 0
 
 
 def _child() -> None:
@@ -60,7 +82,11 @@ def _child() -> None:
     die_with_parent()
 
 
-def _predict(token: str) -> dict[str, Any]:
+def _predict(token: str) -> dict[str, Any] | DtlabError:
+    """The row, or the user's mistake it met (raised in token order by the parent)."""
     from dtlab.predict.core import predict
 
-    return predict(_REQUEST, token)
+    try:
+        return predict(_REQUEST, token)
+    except DtlabError as e:
+        return e
