@@ -323,7 +323,7 @@ COST = {"slurm": 200, "guide-11-predict.md": 120, "test_signals": 105, "guide-05
         "guide-10-your-own-model.md": 26, "guide-04-zero.md": 25, "test_predict_collectives": 22,
         "test_parity": 21, "test_run_dir": 13, "test_faults": 10, "test_optimizer_impl": 10,
         "test_doctor": 9, "test_channels_last": 8, "test_config": 8, "test_hsdp": 8,
-        "test_bad_inputs_audit2": 8, "test_tp_hf": 8, "test_predict_cli": 6,
+        "test_bad_inputs_audit2": 8, "test_tp_hf": 8, "test_predict_cli": 28,
         "test_sample_ranks": 6, "test_deepspeed_checkpoint": 6, "guide-01-single.md": 6,
         "test_bad_inputs": 6,
         # ~35 s, but started last (cost 0): its first test waits for the async_io build that
