@@ -34,6 +34,7 @@ two nearest, the line's value at BYTES the last), not from the line. Default 0: 
 
 from __future__ import annotations
 
+import bisect
 import csv
 import json
 import math
@@ -250,12 +251,11 @@ def _between(params: dict[str, Any], size: float) -> float:
     measured sizes (the line's value at `line_from` above the largest), the smallest's below."""
     start = params["line_from"]
     points = [*params["below_line"], (start, params["a_s"] + params["b_s_per_byte"] * start)]
-    if size <= points[0][0]:
+    i = bisect.bisect_left([s for s, _ in points], size)  # size < start: i < len(points)
+    if i == 0:
         return points[0][1]
-    for (s0, t0), (s1, t1) in zip(points, points[1:], strict=False):
-        if size <= s1:
-            return t0 + (t1 - t0) * (size - s0) / (s1 - s0)
-    return points[-1][1]
+    (s0, t0), (s1, t1) = points[i - 1], points[i]
+    return t0 + (t1 - t0) * (size - s0) / (s1 - s0)
 
 
 def _bandwidth(seconds_per_byte: float) -> str:

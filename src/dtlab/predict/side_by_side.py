@@ -63,12 +63,11 @@ def rows_side_by_side(req: Any, tokens: list[str], count: int) -> list[dict[str,
 
 def _model_parallel(req: Any, token: str) -> int:
     """Ranks that share one copy of the model under `token` (0 where it cannot run)."""
-    from dtlab.config.strategies import registry
+    from dtlab.config import model_parallel_size
     from dtlab.predict.core import strategy_config
 
     try:
-        cfg = strategy_config(req, token)
-        return registry.of(cfg).model_parallel_size(cfg, req.world)
+        return model_parallel_size(strategy_config(req, token), req.world)
     except DtlabError:
         return 0
 
