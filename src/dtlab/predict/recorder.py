@@ -83,6 +83,17 @@ class Recorder:
                                      self.micro, dtype, self.functional))
         return self.next_id
 
+    def outside(self, fn: Callable[[], object]) -> None:
+        """`fn` counted in no Compute, its seconds taken out of the current stretch: the fake
+        backend's work, which a real backend does inside the collective."""
+        on, began = self.on, time.perf_counter()
+        self.on = False
+        try:
+            fn()
+        finally:
+            self.on = on
+            self.started += time.perf_counter() - began
+
     def wait(self, issue_id: int) -> None:
         """A wait on an Issue of this trace, the first time only (later ones cost nothing)."""
         if self.on and issue_id in self.issued and issue_id not in self.waited:
