@@ -70,6 +70,23 @@ def test_advise_ranks_the_strategies_that_fit_by_predicted_step_time() -> None:
     assert all(r["slower"] == pytest.approx(r["step_s"] / times[0], rel=1e-9) for r in ranked)
 
 
+@pytest.mark.parametrize("slower,close", [(1.19, True), (1.21, False)])
+def test_a_margin_under_1_2x_is_too_close_to_call(slower: float, close: bool) -> None:
+    """The verdict names the fastest that fits and its margin over the next; under 1.2x (where
+    dtlab's own check ordered pairs barely better than chance) it says so and what to do."""
+    from dtlab.predict.cli import verdict
+    from dtlab.predict.core import fastest
+
+    rows = [{"strategy": "fsdp", "step_s": 1.0}, {"strategy": "ddp", "step_s": slower},
+            {"strategy": "zero1", "step_s": 0.5, "fits": False}]
+    best = fastest(rows)
+    assert best == {"strategy": "fsdp", "step_s": 1.0, "runner_up": "ddp",
+                    "speedup": slower, "close_call": close}
+    line = verdict(best, rows)
+    assert line.startswith(f"fastest that fits: fsdp, {slower:.2f}x the next (ddp)")
+    assert ("too close to call" in line and "fix: run both (dtlab compare)" in line) == close
+
+
 def test_json_is_all_that_reaches_stdout() -> None:
     """--json's stdout is the JSON alone: what a library or a child process prints while the
     command works (DeepSpeed's logger prints to stdout on import) goes to stderr."""

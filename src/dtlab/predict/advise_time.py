@@ -41,6 +41,7 @@ def ranked(args: argparse.Namespace, result: dict[str, Any]) -> list[dict[str, A
 def cmd_advise(args: argparse.Namespace) -> int:
     from dtlab.estimate.cli import advise_result
     from dtlab.estimate.cli import cmd_advise as memory_advice
+    from dtlab.predict.core import CLOSE_CALL, CLOSE_CALL_WHY
 
     if args.cluster is None:
         return memory_advice(args)
@@ -55,8 +56,12 @@ def cmd_advise(args: argparse.Namespace) -> int:
                                     "cluster": args.cluster})
     memory_advice(args)
     print(f"by predicted step time on {args.cluster} (dtlab predict, the config's own settings):")
+    close = False
     for r in rows:
-        print(f"  {r['strategy']}: " + (f"{r['step_s'] * 1e3:.1f} ms per step"
+        close |= 1 < r.get("slower", 0) < CLOSE_CALL
+        print(f"  {r['strategy']}: " + (f"{r['step_s'] * 1e3:.3g} ms per step"
               + (" (fastest)" if r["slower"] == 1 else f", {r['slower']:.2f}x the fastest")
               if r["step_s"] else f"not ranked: {r['why']}"))
+    if close:
+        print(f"  (the fastest and those within {CLOSE_CALL}x of it: {CLOSE_CALL_WHY})")
     return 0

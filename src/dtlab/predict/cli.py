@@ -219,5 +219,7 @@ def verdict(best: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
         return "fastest: none fits the cluster's memory per device"
     if "runner_up" not in best:
         return f"fastest that fits: {best['strategy']} ({ms(best['step_s'])} ms per step)"
+    from dtlab.predict.core import CLOSE_CALL_WHY
+
     return (f"fastest that fits: {best['strategy']}, {best['speedup']:.2f}x the next "
-            f"({best['runner_up']})")
+            f"({best['runner_up']})" + (f"; {CLOSE_CALL_WHY}" if best["close_call"] else ""))

@@ -279,13 +279,24 @@ def memory(req: Request, token: str, traces: dict[int, Trace], notes: list[str])
             "source": row["source"], "exact": row["exact"]}
 
 
+# A predicted margin under this orders two strategies as their runs do barely more often than a
+# coin: 29 of 51 pairs in the CPU check of 2026-11-28 (109 of 109 from 1.5x up; the same in the
+# two checks before it: benchmarks/predict_ranking.py, docs/benchmarks.md).
+CLOSE_CALL = 1.2
+CLOSE_CALL_WHY = ("too close to call: predicted margins under 1.2x put two strategies in the "
+                  "order their runs took 29 of 51 times in dtlab's check (docs/benchmarks.md); "
+                  "fix: run both (dtlab compare)")
+
+
 def fastest(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The fastest strategy among those that fit, and by how much it beats the next."""
+    """The fastest strategy among those that fit, by how much it beats the next, and whether
+    that is a margin a prediction can tell (`close_call`)."""
     fit = sorted((r for r in rows if r.get("fits", True)), key=lambda r: r["step_s"])
     if not fit:
         return None
     best = {"strategy": fit[0]["strategy"], "step_s": fit[0]["step_s"]}
     if len(fit) > 1:
-        best.update(runner_up=fit[1]["strategy"], speedup=fit[1]["step_s"] / fit[0]["step_s"])
+        speedup = fit[1]["step_s"] / fit[0]["step_s"]
+        best.update(runner_up=fit[1]["strategy"], speedup=speedup, close_call=speedup < CLOSE_CALL)
     return best
 
