@@ -87,6 +87,15 @@ def test_a_margin_under_1_2x_is_too_close_to_call(slower: float, close: bool) ->
     assert ("too close to call" in line and "fix: run both (dtlab compare)" in line) == close
 
 
+def test_the_table_keeps_three_digits_of_small_numbers() -> None:
+    """A small model on a GPU cluster steps in a fraction of a millisecond: the table shows it
+    to three significant digits, not as "0.0"; from 10 up, to 0.1."""
+    from dtlab.predict.cli import ms
+
+    assert [ms(s) for s in (0.0000724, 0.00524, 0.0123, 1.13514, 0.0, None)] == [
+        "0.0724", "5.24", "12.3", "1135.1", "0", "-"]
+
+
 def test_json_is_all_that_reaches_stdout() -> None:
     """--json's stdout is the JSON alone: what a library or a child process prints while the
     command works (DeepSpeed's logger prints to stdout on import) goes to stderr."""

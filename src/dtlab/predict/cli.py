@@ -165,7 +165,13 @@ def predict_all(req: Any, tokens: list[str], save_profile: str | None,
 
 
 def ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+    """Milliseconds to 0.1 from 10 ms up, three significant digits below (a small model's
+    step on a GPU cluster is a fraction of a millisecond: "0.0" said nothing)."""
+    return "-" if seconds is None else significant(seconds * 1e3)
+
+
+def significant(value: float) -> str:
+    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3g}"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -180,11 +186,11 @@ def table(rows: list[dict[str, Any]]) -> str:
             "samples/s": f"{r['samples_per_s']:.4g}",
             "tokens/s/dev": "-" if r["tokens_per_s"] is None
             else f"{r['tokens_per_s_per_device']:.4g}",
-            "MFU": "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
+            "MFU": "n/a" if r["mfu"] is None else f"{significant(100 * r['mfu'])}%",
             "fwd": ms(s.get("forward")), "bwd": ms(s.get("backward")),
             "recomp": ms(s.get("recompute")), "optim": ms(s.get("optimizer")),
             "comm exposed": ms(sum(r["exposed_comm"].values())), "bubble": ms(s.get("bubble")),
-            "GB/rank": f"{r['memory']['device_bytes'] / GB:.2f}",
+            "GB/rank": significant(r["memory"]["device_bytes"] / GB),
             "fits": ("yes" if r["fits"] else "no") + (" (state)" if r["memory"]["source"]
                                                       == STATE_ONLY else "")})
     return text_table(shown, list(shown[0]))
