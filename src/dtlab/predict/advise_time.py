@@ -41,6 +41,7 @@ def ranked(args: argparse.Namespace, result: dict[str, Any]) -> list[dict[str, A
 def cmd_advise(args: argparse.Namespace) -> int:
     from dtlab.estimate.cli import advise_result
     from dtlab.estimate.cli import cmd_advise as memory_advice
+    from dtlab.predict.cli import ms
     from dtlab.predict.core import CLOSE_CALL, CLOSE_CALL_WHY
 
     if args.cluster is None:
@@ -59,7 +60,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     close = False
     for r in rows:
         close |= 1 < r.get("slower", 0) < CLOSE_CALL
-        print(f"  {r['strategy']}: " + (f"{r['step_s'] * 1e3:.3g} ms per step"
+        print(f"  {r['strategy']}: " + (f"{ms(r['step_s'])} ms per step"
               + (" (fastest)" if r["slower"] == 1 else f", {r['slower']:.2f}x the fastest")
               if r["step_s"] else f"not ranked: {r['why']}"))
     if close:

@@ -99,7 +99,7 @@ class Pieces(Sequence[torch.Tensor]):
             raise IndexError(i)
         start = i * self.step
         if start >= self.length:
-            return self.tensor.narrow(self.dim, 0, self.step).new_empty(0)
+            return self.tensor.new_empty(0)
         return self.tensor.narrow(self.dim, start, min(self.step, self.length - start))
 
 

@@ -234,8 +234,7 @@ class RecordingGroup(dist.ProcessGroup):
 def _ones(tensors: Sequence[torch.Tensor]) -> None:
     with torch.no_grad():
         for t in tensors:
-            if t.device.type != "meta":
-                t.fill_(1)
+            t.fill_(1)
 
 
 def _create(store: Any, rank: int, size: int, timeout: Any = None) -> RecordingGroup:
