@@ -2,10 +2,12 @@
 `overlap_slowdown` (dtlab predict's simulator stretches compute that overlaps communication by
 1 + this).
 
-    python benchmarks/overlap_slowdown.py [--repeats 40] [--n 384] [--matmuls 8]
+    python benchmarks/overlap_slowdown.py [--ranks 2] [--repeats 40] [--n 384] [--matmuls 8]
                                           [--bytes 64M] [--json FILE]
 
-2 gloo ranks on this machine (threads per rank: the cores over the ranks, as dtlab gives them).
+`--ranks` gloo ranks on this machine (threads per rank: the cores over the ranks, as dtlab gives
+them; where ranks outnumber the cores, the block "alone" already runs with every rank computing
+on the shared cores, so the slowdown is what the collectives add to that sharing).
 Each rank times a block of `--matmuls` float32 n x n matrix multiplications, alone and while an
 all_reduce of `--bytes` issued just before the block is still running (async_op=True: gloo works
 in its own thread). Alone and overlapped samples alternate, so that drift in the machine's load
@@ -29,8 +31,6 @@ import time
 from pathlib import Path
 
 from gloo_ranks import run_ranks
-
-WORLD = 2
 
 
 def _block(a, b, matmuls: int) -> float:  # noqa: ANN001 - torch tensors
@@ -92,6 +92,7 @@ def rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out: 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=2, help="gloo ranks on this machine")
     p.add_argument("--repeats", type=int, default=40, help="samples of each kind per rank")
     p.add_argument("--n", type=int, default=384, help="matrix size of the compute block")
     p.add_argument("--matmuls", type=int, default=8, help="matrix multiplications per block")
@@ -107,7 +108,7 @@ def main() -> None:
 
     import torch
 
-    ranks, (load_before, load_after) = run_ranks(rank_main, WORLD, args)
+    ranks, (load_before, load_after) = run_ranks(rank_main, args.ranks, args)
     per_rank = []
     for r in ranks:
         if not r["overlapped_s"]:
@@ -128,13 +129,14 @@ def main() -> None:
     comm_slowdown = statistics.mean(comm_per_rank)
     print(f"comm_overlap_slowdown: {comm_slowdown:.3f} (mean of the ranks)")
     slowdown = statistics.mean(per_rank)
-    print(f"overlap_slowdown: {slowdown:.3f} (mean of the ranks; {WORLD} gloo ranks, torch "
+    print(f"overlap_slowdown: {slowdown:.3f} (mean of the ranks; {args.ranks} gloo ranks, torch "
           f"{torch.__version__}, {os.cpu_count()} CPUs, load average {load_before:.2f} "
           f"before, {load_after:.2f} after)")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"overlap_slowdown": slowdown, "per_rank": per_rank, "ranks": ranks,
              "comm_overlap_slowdown": comm_slowdown, "comm_per_rank": comm_per_rank,
+             "world": args.ranks,
              "load_average": [load_before, load_after], "torch": torch.__version__,
              "args": {k: v for k, v in vars(args).items() if k != "json"}}, indent=2) + "\n")
 

@@ -1,7 +1,7 @@
 """`dtlab predict`'s step time against real runs here, and its collectives against a real step's.
 
     python benchmarks/predict_vs_measured.py [--configs gpt,cnn] [--strategies ddp,fsdp,...]
-        [--ranks 1,2,4] [--variants base,accum,ac] [--steps N] [--cluster cpu_gloo]
+        [--ranks 1,2,4] [--variants base,accum,ac] [--steps N] [--cluster cpu_gloo] [--interleave]
         [--no-collectives | --collectives-only] [--json FILE]
 
 For each row (config, variant, strategy, ranks): the predicted step (dtlab.predict.core.
@@ -11,7 +11,10 @@ of `--steps` steps (STEPS below) on as many local gloo ranks (dtlab.predict.trut
 the median of `--runs` such runs (the same program's step differs from run to run here, by up
 to 30% for the CNN at 2 ranks, a hand-written DDP loop as much: docs/benchmarks.md), and the
 error;
-then the mean absolute error and the largest. Where 4 ranks share 2 cores, the run shares them
+then the mean absolute error and the largest. With --interleave, the row is predicted again
+before each run (the compute measured anew each time) and the medians are compared: this host's
+speed drifts by more than the model's errors over an hour (docs/benchmarks.md), and predicting
+once, then running three times, lets the drift between the two land in the error. Where 4 ranks share 2 cores, the run shares them
 and the prediction says how it scaled the compute (its notes and sources).
 
 Variants: base; accum (train.grad_accum_steps=2: no-sync micro steps); ac (full activation
@@ -145,20 +148,25 @@ def run_row(config: str, variant: str, strategy: str, ranks: int, args: argparse
     if args.collectives_only:  # 3 steps: DDP's bucket rebuild in step 2, the recorded step 3
         measured = measure_run(path, [*overrides, *parse_spec(strategy)], ranks, 3, record=True)
     else:
-        try:
-            predicted = predict(path, overrides, strategy, ranks, cluster)
-        except Exception as e:  # one row's failure must not lose the others  # noqa: BLE001
-            return {**row, "skipped": f"prediction failed: {type(e).__name__}: "
-                                      f"{str(e).strip().splitlines()[0]}"}
         steps = args.steps or STEPS[config]
-        runs = [measure_run(path, [*overrides, *parse_spec(strategy)], ranks, steps,
-                            record=record and i == 0) for i in range(args.runs)]
+        guesses, runs = [], []
+        for i in range(args.runs):  # predict, run, predict, run: the host's drift hits both
+            if i == 0 or args.interleave:
+                try:
+                    guesses.append(predict(path, overrides, strategy, ranks, cluster))
+                except Exception as e:  # one row's failure must not lose the others  # noqa: BLE001
+                    return {**row, "skipped": f"prediction failed: {type(e).__name__}: "
+                                              f"{str(e).strip().splitlines()[0]}"}
+            runs.append(measure_run(path, [*overrides, *parse_spec(strategy)], ranks, steps,
+                                    record=record and i == 0))
         measured = runs[0]
+        predicted_s = statistics.median(g["step_s"] for g in guesses)
         step = statistics.median(r["step_s"] for r in runs)
-        row |= {"predicted_s": predicted["step_s"], "measured_s": step, "steps": steps,
+        row |= {"predicted_s": predicted_s, "measured_s": step, "steps": steps,
+                "predicted_runs_s": [g["step_s"] for g in guesses],
                 "measured_runs_s": [r["step_s"] for r in runs],
-                "error": predicted["step_s"] / step - 1,
-                "sources": predicted["sources"], "notes": predicted["notes"]}
+                "error": predicted_s / step - 1,
+                "sources": guesses[0]["sources"], "notes": guesses[0]["notes"]}
     if record or args.collectives_only:
         row["collectives"] = compare_collectives(path, overrides, strategy,
                                                  measured["collectives"])
@@ -166,14 +174,16 @@ def run_row(config: str, variant: str, strategy: str, ranks: int, args: argparse
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| config | variant | strategy | ranks | predicted ms | measured ms (runs) | error |",
+    lines = ["| config | variant | strategy | ranks | predicted ms (each) | measured ms (runs) | error |",
              "|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
             each = ", ".join(f"{t * 1e3:.1f}" for t in r.get("measured_runs_s", []))
+            guesses = r.get("predicted_runs_s", [])
+            said = f" ({', '.join(f'{t * 1e3:.1f}' for t in guesses)})" if len(guesses) > 1 else ""
             lines.append(f"| {r['config']} | {r['variant']} | {r['strategy']} | {r['ranks']} | "
-                         f"{r['predicted_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} ({each}) | "
-                         f"{100 * r['error']:+.1f}% |")
+                         f"{r['predicted_s'] * 1e3:.1f}{said} | {r['measured_s'] * 1e3:.1f} "
+                         f"({each}) | {100 * r['error']:+.1f}% |")
     errors = [abs(r["error"]) for r in rows if "error" in r]
     if errors:
         lines.append(f"\nmean |error| {100 * sum(errors) / len(errors):.1f}%, largest "
@@ -202,6 +212,9 @@ def main() -> None:
                         help="steps per run, a third warm-up (default: gpt 12, cnn 48)")
     parser.add_argument("--runs", type=int, default=3,
                         help="runs per row; measured: the median of their median steps")
+    parser.add_argument("--interleave", action="store_true",
+                        help="predict again before each run (the compute measured anew), and "
+                             "compare the medians: a drifting host's speed hits both sides")
     parser.add_argument("--cluster", default="cpu_gloo")
     parser.add_argument("--no-collectives", dest="collectives", action="store_false",
                         help="skip the 4-rank collectives check")
