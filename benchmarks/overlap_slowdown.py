@@ -136,7 +136,6 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(
             {"overlap_slowdown": slowdown, "per_rank": per_rank, "ranks": ranks,
              "comm_overlap_slowdown": comm_slowdown, "comm_per_rank": comm_per_rank,
-             "world": args.ranks,
              "load_average": [load_before, load_after], "torch": torch.__version__,
              "args": {k: v for k, v in vars(args).items() if k != "json"}}, indent=2) + "\n")
 

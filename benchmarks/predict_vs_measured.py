@@ -14,8 +14,9 @@ error;
 then the mean absolute error and the largest. With --interleave, the row is predicted again
 before each run (the compute measured anew each time) and the medians are compared: this host's
 speed drifts by more than the model's errors over an hour (docs/benchmarks.md), and predicting
-once, then running three times, lets the drift between the two land in the error. Where 4 ranks share 2 cores, the run shares them
-and the prediction says how it scaled the compute (its notes and sources).
+once, then running three times, lets the drift between the two land in the error. Where 4
+ranks share 2 cores, the run shares them and the prediction says how it scaled the compute (its
+notes and sources).
 
 Variants: base; accum (train.grad_accum_steps=2: no-sync micro steps); ac (full activation
 checkpointing: the recompute). The default matrix (~15 min on 2 cores): the base variant for
@@ -174,8 +175,8 @@ def run_row(config: str, variant: str, strategy: str, ranks: int, args: argparse
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| config | variant | strategy | ranks | predicted ms (each) | measured ms (runs) | error |",
-             "|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| config | variant | strategy | ranks | predicted ms (each) | measured ms (runs) "
+             "| error |", "|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
             each = ", ".join(f"{t * 1e3:.1f}" for t in r.get("measured_runs_s", []))
