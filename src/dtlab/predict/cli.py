@@ -25,7 +25,8 @@ def add_predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="dtlab YAML config: the model, batch, "
                    "precision and optimizer predicted (default: the built-in quick config)")
     p.add_argument("--world-size", type=integer(1, "--world-size 8"), metavar="N",
-                   help="ranks (GPUs) in total (required unless --validate)")
+                   help="ranks (GPUs) in total (required unless --validate; with --validate: "
+                   "validate on N local ranks only)")
     p.add_argument("--gpus-per-node", type=integer(1, "--gpus-per-node 8"), metavar="G",
                    help="ranks per node (default: the cluster's)")
     p.add_argument("--strategies", metavar="LIST", default=DEFAULT_STRATEGIES,
@@ -50,7 +51,8 @@ def add_predict_arguments(p: argparse.ArgumentParser) -> None:
                    help="strategies traced side by side, one process each, where nothing is "
                    "timed (default: one per core; --measure: 1)")
     p.add_argument("--validate", action="store_true", help="run each strategy here on 1, 2 and 4 "
-                   "local ranks and print the predicted step time beside the measured one")
+                   "local ranks (or --world-size N) and print the predicted step time beside "
+                   "the measured one")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
 
@@ -61,6 +63,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         missing = "--world-size" if args.world_size is None else "--cluster"
         raise DtlabError(f"{missing} is required; fix: e.g. dtlab predict --config FILE "
                          "--world-size 64 --gpus-per-node 8 --cluster h100_sxm_8x")
+    if args.validate:
+        check_validate(args)
     if args.save_profile and not args.measure:
         raise DtlabError("--save-profile writes what --measure measured; fix: add --measure")
     if args.jobs and args.jobs > 1 and (args.measure or args.validate):
@@ -82,6 +86,23 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise DtlabError(f"--world-size {args.world_size} is not a whole number of nodes of "
                          f"--gpus-per-node {args.gpus_per_node}; fix: a multiple of "
                          f"{args.gpus_per_node}")
+
+
+def check_validate(args: argparse.Namespace) -> None:
+    """--validate measures and runs here: options that describe another machine do not apply."""
+    from dtlab.distributed import cpus_available
+
+    other = next((o for o, v in (("--profile", args.profile), ("--step-time", args.step_time),
+                                 ("--gpus-per-node", args.gpus_per_node)) if v), None)
+    if other:
+        raise DtlabError(f"--validate measures the compute and runs the ranks on this machine; "
+                         f"{other} does not apply; fix: drop {other}")
+    cores = cpus_available()
+    if args.world_size and args.world_size > 2 * cores:
+        raise DtlabError(f"--validate --world-size {args.world_size} would run "
+                         f"{args.world_size} ranks on this machine's {cores} core(s): beyond 2 "
+                         "a core the run times the queue for the cores, not the strategy; fix: "
+                         f"--world-size {2 * cores} or fewer")
 
 
 def request(args: argparse.Namespace, world: int, cluster: Any) -> Any:

@@ -1,4 +1,5 @@
-"""`dtlab predict --validate`: each strategy predicted and run here, on 1, 2 and 4 local ranks.
+"""`dtlab predict --validate`: each strategy predicted and run here, on 1, 2 and 4 local ranks
+(or on the --world-size asked).
 
 The prediction measures compute on this device at the strategy's per-rank shapes (core.
 predict_step) and prices communication with the cluster's links (cpu_gloo: a dtlab comm fit of
@@ -55,7 +56,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     cluster = load_cluster(args.cluster or "cpu_gloo")
     tokens = [t.strip() for t in args.strategies.split(",")]
-    rows = validate_rows(args.config, list(args.overrides), tokens, cluster)
+    ranks = (args.world_size,) if args.world_size else RANKS
+    rows = validate_rows(args.config, list(args.overrides), tokens, cluster, ranks)
     total = summary(rows)
     if args.json:
         print(json.dumps({"cluster": cluster.name, "rows": rows, **total}, indent=1))
