@@ -314,7 +314,7 @@ GROUPS = {"test_report_browser": "sweep", "test_sweep": "sweep", "test_slurm": "
 # worker that runs out of work first, so the long ones start first and the short ones fill both
 # workers up to the end (xdist's default order, by test count, would start the one-test chapters
 # last). A cost far below the truth starts a long group late: it then ends the suite alone.
-COST = {"slurm": 200, "guide-11-predict.md": 120, "test_signals": 105, "guide-05-model-parallel.md": 97,
+COST = {"slurm": 200, "guide-11-predict.md": 60, "test_signals": 105, "guide-05-model-parallel.md": 97,
         "test_train_features": 90, "guide-08-failure-modes.md": 88, "guide-02-ddp.md": 77,
         "guide-03-fsdp.md": 74, "test_zero": 74, "test_orphans": 69, "test_predict_trace": 61,
         "test_reliability": 61, "test_hf": 55, "sweep": 47, "test_estimate": 46, "test_launch": 46,

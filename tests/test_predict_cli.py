@@ -135,18 +135,19 @@ def test_strategies_traced_side_by_side_predict_what_one_process_does() -> None:
     model-parallel ones started first: the rows are those of one process tracing them one after
     the other, number for number, in the order asked. (ddp on a config written for tp: its
     memory splits the batch as ddp does, not as the file's strategy would.)"""
-    args = ["predict", "--config", "configs/tp_gpt.yaml", "--world-size", "16", "--gpus-per-node",
-            "8", "--cluster", "h100_sxm_8x", "--strategies", "ddp,fsdp_tp@8x2", "--json",
+    # 32 ranks: above estimate.measure.EVERY_RANK, the memory measures a few ranks, not each
+    args = ["predict", "--config", "configs/tp_gpt.yaml", "--world-size", "32", "--gpus-per-node",
+            "8", "--cluster", "h100_sxm_8x", "--strategies", "ddp,fsdp_tp@16x2", "--json",
             "model.n_layer=1"]
     serial, forked = dtlab(*args, "--jobs", "1"), dtlab(*args, "--jobs", "2")
     assert serial.returncode == 0 and forked.returncode == 0, forked.stderr[-2000:]
     assert json.loads(forked.stdout) == json.loads(serial.stdout)
     assert [r["strategy"] for r in json.loads(forked.stdout)["rows"]] == \
-        ["ddp", "fsdp_tp@8x2"]
+        ["ddp", "fsdp_tp@16x2"]
     # a strategy's own refusal, raised in its process: said once, as one process says it
     refused = dtlab(*args[:1], *args[3:9], "--strategies", "ddp,tp", "--jobs", "2")  # quick.yaml
     assert refused.returncode == 2 and refused.stderr.count("dtlab: error:") == 1
-    assert "--strategies 'tp' on --world-size 16" in refused.stderr
+    assert "--strategies 'tp' on --world-size 32" in refused.stderr
 
 
 CASES = [
