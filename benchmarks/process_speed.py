@@ -1,7 +1,8 @@
 """How steady this host's CPU is from one process to the next: the same compute, timed in fresh
 processes one after another, nothing else running.
 
-    python benchmarks/process_speed.py [--processes 24] [--threads 1] [--size 256] [--json FILE]
+    python benchmarks/process_speed.py [--processes 24] [--threads 1] [--size 256] [--reps 40]
+        [--json FILE]
 
 Each process sets its torch threads, warms up, then times `--reps` rounds of 10 float32
 matmuls of `--size` squared and prints the median round. On a steady machine the medians agree
@@ -9,7 +10,7 @@ within a few percent; where they do not, a process keeps the speed it got (the C
 placed on, the hypervisor's share) for its whole life, and two runs of the same program differ
 by that much however many steps each times. `dtlab predict` measures its compute in one
 process and a run steps in others: their agreement is bounded by this spread
-(docs/benchmarks.md, "the same compute in fresh processes").
+(docs/benchmarks.md, "2026-11-28, fifth session").
 """
 
 from __future__ import annotations
