@@ -59,7 +59,7 @@ def main() -> int:
     load_before = os.getloadavg()[0]
     medians = [one_process(a.threads, a.size, a.reps) for _ in range(a.processes)]
     mid = statistics.median(medians)
-    q = statistics.quantiles(medians, n=10)
+    q = statistics.quantiles(medians, n=10, method="inclusive")  # within the data, for any n
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "cores": len(os.sched_getaffinity(0)),
               "args": vars(a) | {"json": str(a.json) if a.json else None},
               "load_1min_before": load_before, "load_1min_after": os.getloadavg()[0],
