@@ -26,9 +26,11 @@ $(DS_STAMP): pyproject.toml Makefile
 # on all of them. Without bytecode on disk each process would compile what it imports, every time
 # where PYTHONDONTWRITEBYTECODE is set. (Writing it on first import instead would leave a user's
 # own `dtlab` commands without it, and both test workers would compile the same modules at once.)
+# dtlab's own src/ too: the editable install leaves it outside purelib (0.15 s of CPU per process
+# that imports the CLI and the loop, measured with farm-bench: 1.98 s against 2.13 s).
 $(STAMP): $(DS_STAMP)
 	$(PY) -m pip install -q --no-compile -e '.[dev,deepspeed,mlflow,wandb,tensorboard]'
-	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
+	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" src >/dev/null || true
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -51,3 +53,4 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	find src -name __pycache__ -type d -prune -exec rm -rf {} +
