@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from dtlab.distributed import cpus_available
+
 CHILD = """
 import sys, time, torch
 threads, size, reps = map(int, sys.argv[1:4])
@@ -60,7 +62,7 @@ def main() -> int:
     medians = [one_process(a.threads, a.size, a.reps) for _ in range(a.processes)]
     mid = statistics.median(medians)
     q = statistics.quantiles(medians, n=10, method="inclusive")  # within the data, for any n
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "cores": len(os.sched_getaffinity(0)),
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "cores": cpus_available(),
               "args": vars(a) | {"json": str(a.json) if a.json else None},
               "load_1min_before": load_before, "load_1min_after": os.getloadavg()[0],
               "medians_ms": [round(m * 1e3, 3) for m in medians],
