@@ -97,7 +97,7 @@ def start(nproc: int, argv: list[str], target: Callable[[list[str]], int] = _tra
     from dtlab.process.launch import report_failures
 
     ensure_forkserver()
-    port = _free_port()
+    store = _store() if nproc > 1 else None
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         procs = []
         for rank in range(nproc):
@@ -105,7 +105,9 @@ def start(nproc: int, argv: list[str], target: Callable[[list[str]], int] = _tra
             if nproc > 1:
                 environ |= {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-                            "MASTER_PORT": str(port)}
+                            "MASTER_PORT": str(store.port),
+                            # every rank a client of `store` (torchrun's agent hosts it alike)
+                            "TORCHELASTIC_USE_AGENT_STORE": "True"}
                 # what dtlab's launch() exports: threads per rank = cores / local ranks
                 threads = max(1, len(os.sched_getaffinity(0)) // nproc)
                 environ.setdefault("OMP_NUM_THREADS", str(threads))
@@ -181,12 +183,14 @@ def memoize_synthetic_images() -> None:
     dtlab.data.synthetic_tokens = memoized(dtlab.data.synthetic_tokens)
 
 
-def _free_port() -> int:
-    import socket
+def _store() -> Any:
+    """The ranks' rendezvous store, served from this process on a port the kernel picks as it
+    binds. A port found free and handed to rank 0 to bind later could be taken meanwhile (the
+    other pytest workers' ranks open listening sockets all the time): seen as "TCP client failed
+    to connect ... Connection reset by peer" with 3 workers."""
+    from torch.distributed import TCPStore
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def launch(worker_args: list[str], nproc_per_node: int, nnodes: int = 1,
