@@ -96,7 +96,15 @@ def test_unknown_cluster_name_lists_the_known_ones() -> None:
     (lambda t: "[1, 2]\n",
      "cluster file '{p}' must hold a mapping of keys (key: value lines); fix: write it like "
      "configs/clusters/h100_sxm_8x.yaml"),
-], ids=["duplicate", "unknown", "missing", "negative", "no-bandwidth", "dtype", "not-mapping"])
+    (lambda t: t + "phase_correlation: 0.5\n",
+     "cluster file '{p}': the file gives one of phase_correlation and phase_correlation_source; "
+     "fix: give both (how in step the ranks sharing a CPU's cores compute, 0 to 1, and where it "
+     "comes from) or neither"),
+    (lambda t: t + "phase_correlation: 0.5\nphase_correlation_source: a fit\n",
+     "cluster file '{p}': the file gives phase_correlation without cores; fix: remove it (it "
+     "is how ranks share a CPU host's cores) or set cores"),
+], ids=["duplicate", "unknown", "missing", "negative", "no-bandwidth", "dtype", "not-mapping",
+        "phase-unsourced", "phase-without-cores"])
 def test_malformed_cluster_file_is_one_line(tmp_path: Path, edit, message: str) -> None:  # noqa: ANN001
     """A cluster file with a key written twice, an unknown or missing key, a negative bandwidth,
     a link without its bandwidth or an unknown dtype is refused in one line naming the key."""

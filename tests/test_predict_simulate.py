@@ -337,6 +337,39 @@ def test_a_rank_waiting_leaves_the_cores_to_the_others():
     assert tl.per_rank_s[1] == pytest.approx(3.0) and tl.split["bubble"] == pytest.approx(1.0)
 
 
+def phased_run(events: list, correlation: float):
+    """One traced rank standing for 4 ranks of 1 thread on 2 cores, its duty cycle iterated to
+    the fixed point (host.simulate_shared)."""
+    from dtlab.predict.cores import CoreShare
+    from dtlab.predict.host import simulate_shared
+
+    traces = {0: Trace(rank=0, world=4, events=events)}
+    share = CoreShare(2, 1, 4, 4, traces, correlation=correlation)
+    return simulate_shared(lambda c: simulate(traces, compute_s, comm_s, 0.0, cores=c), share)
+
+
+def test_ranks_out_of_phase_share_the_cores_by_their_duty_cycle():
+    """1 s of compute, then a 1 s collective. In lockstep (correlation 1) the 4 ranks compute
+    together at half speed: 2 + 1 s. Out of phase (0) each of the 3 others computes a fraction
+    d = C / (C + 1) of the time, so C = (1 + 3d) / 2: 2C^2 - 2C - 1 = 0, C = (1 + sqrt 3) / 2.
+    Halfway (0.5) the step lies between the two."""
+    events = [comp(1.0), coll(0, 1.0, group=(0, 1, 2, 3)), Wait(0)]
+    lockstep = phased_run(events, 1.0)
+    assert lockstep.step_s == pytest.approx(3.0)
+    out_of_phase = phased_run(events, 0.0)
+    assert out_of_phase.step_s == pytest.approx((1 + 3 ** 0.5) / 2 + 1.0, abs=2e-3)
+    assert out_of_phase.split["forward"] == pytest.approx((1 + 3 ** 0.5) / 2, abs=2e-3)
+    assert lockstep.step_s > phased_run(events, 0.5).step_s > out_of_phase.step_s
+
+
+def test_ranks_that_only_compute_share_the_cores_alike_in_any_phase():
+    """Without a wait the duty cycle is 1: every rank always computes, whatever their phase, and
+    4 ranks on 2 cores take twice as long as alone."""
+    events = [comp(1.0), comp(2.0, "backward")]
+    assert phased_run(events, 0.0).step_s == pytest.approx(6.0)
+    assert phased_run(events, 1.0).step_s == pytest.approx(6.0)
+
+
 def test_sharing_and_overlap_slowdown_multiply():
     """A rank at half its core's share that overlaps a collective runs (1 + slowdown) x 2 slower
     meanwhile; the overlap's part alone is reported as slowdown_s."""

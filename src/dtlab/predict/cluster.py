@@ -102,6 +102,8 @@ class Cluster:
     cores: int | None  # CPU: cores the ranks of a node share (None: a device per rank)
     collectives_at_once: int = 1  # a rank's collectives in flight together (gloo: its threads)
     collectives_at_once_source: str = "one at a time: NCCL runs a communicator's on one stream"
+    phase_correlation: float = 1.0  # CPU: how in step the ranks sharing cores compute (cores.py)
+    phase_correlation_source: str = "lockstep: every rank computes when the traced ones do"
     notes: str = ""
     memory_source: str = ""
     hbm_source: str = ""
@@ -167,6 +169,9 @@ def load_cluster(name_or_path: str) -> Cluster:
         **({"collectives_at_once_source": spec.collectives_at_once_source}
            if spec.collectives_at_once_source else {}),
         cores=len(cpu_set()) if spec.cores == "machine" else spec.cores,
+        **({"phase_correlation": spec.phase_correlation,
+            "phase_correlation_source": spec.phase_correlation_source}
+           if spec.phase_correlation is not None else {}),
         notes=spec.notes, path=path)
 
 

@@ -92,9 +92,23 @@ class ClusterSpec(_Strict):
     collectives_at_once: Annotated[int, Field(ge=1, le=64, strict=True)] = 1
     collectives_at_once_source: _Source | None = None
     cores: Annotated[int, Field(gt=0, strict=True)] | Literal["machine"] | None
+    phase_correlation: Annotated[float, Field(ge=0, le=1, strict=True,
+                                              allow_inf_nan=False)] | None = None
+    phase_correlation_source: _Source | None = None
     intra: LinkSpec
     inter: LinkSpec
     notes: str = ""
+
+    @model_validator(mode="after")
+    def _phase_sourced(self) -> ClusterSpec:
+        if (self.phase_correlation is None) != (self.phase_correlation_source is None):
+            raise ValueError("the file gives one of phase_correlation and "
+                             "phase_correlation_source; fix: give both (how in step the ranks sharing a CPU's cores compute, "
+                             "0 to 1, and where it comes from) or neither")
+        if self.phase_correlation is not None and self.cores is None:
+            raise ValueError("the file gives phase_correlation without cores; fix: remove it "
+                             "(it is how ranks share a CPU host's cores) or set cores")
+        return self
 
 
 def problem(e: ValidationError) -> str:
@@ -116,7 +130,7 @@ def problem(e: ValidationError) -> str:
     if err["type"] == "missing":
         return f"'{key}' is missing; fix: add it (every key of {EXAMPLE} is needed){tail}"
     if err["type"] == "value_error":
-        return f"{key} {err['msg'].removeprefix('Value error, ')}{tail}"
+        return f"{key} {err['msg'].removeprefix('Value error, ')}{tail}".lstrip()
     if "[key]" in loc:  # (..., 'peak_tflops', 'fp8', '[key]')
         return (f"{'.'.join(loc[:-2])}: '{err.get('input')}' is not a dtype; fix: use "
                 f"{', '.join(DTYPES)}{tail}")

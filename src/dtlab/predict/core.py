@@ -22,7 +22,7 @@ from dtlab.config import Config
 from dtlab.config.strategies import registry
 from dtlab.errors import ConfigError
 from dtlab.predict.events import Compute, Issue, Trace
-from dtlab.predict.host import core_share, load_probe, machine_loaded
+from dtlab.predict.host import core_share, load_probe, machine_loaded, simulate_shared
 from dtlab.predict.profile import Profile
 
 STATE_ONLY = "state only"  # a memory that leaves out activations: its fit is marked so
@@ -185,9 +185,10 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
     compute_s, comm_s, sources = pricing(req, cfg, token)
     cores = core_share(req.cluster, req.threads or 1, req.ranks_per_node, req.world, traces,
                        notes)
-    timeline = simulate(traces, compute_s, comm_s, req.cluster.overlap_slowdown, cores=cores,
-                        comm_slowdown=req.cluster.comm_overlap_slowdown,
-                        lanes=req.cluster.collectives_at_once)
+    timeline = simulate_shared(lambda share: simulate(
+        traces, compute_s, comm_s, req.cluster.overlap_slowdown, cores=share,
+        comm_slowdown=req.cluster.comm_overlap_slowdown,
+        lanes=req.cluster.collectives_at_once), cores)
     step_s = timeline.step_s + req.loop_s
     spec = spec_for(cfg)
     samples = cfg.train.global_batch_size / step_s

@@ -5,8 +5,14 @@ A rank computing with `threads` threads while k ranks of its node compute runs
 max(1, threads x k / cores) times slower than alone. Ranks waiting for a collective or a
 pipeline's message use no core, so the others run faster meanwhile: a 4-stage pipeline on 2
 cores is slowed where its stages overlap, not in its bubble. A node's ranks that were not traced
-do what the traced ones do (data and tensor parallel ranks are symmetric), so k counts each
-computing traced rank of the node for the untraced ones it stands for.
+do what the traced ones do (data and tensor parallel ranks are symmetric). When they do it is
+the cluster's `phase_correlation` rho: with rho = 1 they compute exactly when the traced ones do
+(lockstep), so k counts each computing traced rank for the untraced ones it stands for; with
+rho = 0 their phase is independent of the traced ranks' (the OS time-slices 4 ranks on 2 cores,
+and a rank that waits for a collective hands its core to one that computes), and each computes
+a `duty` fraction of the time, the traced ranks' own (host.simulate_shared iterates the
+simulation to that fixed point). In between, an untraced rank computes with weight rho x (share of the traced ranks
+computing) + (1 - rho) x duty.
 
 Not modelled: the cores that communication itself takes (gloo's threads copy and reduce on the
 CPU: the overlap slowdown of the cluster file covers the rank's own), and the memory bandwidth and
@@ -24,20 +30,31 @@ class CoreShare:
     """Which traced rank is on which node, and how many of each node's ranks compute now."""
 
     def __init__(self, cores: int, threads: int, ranks_per_node: int, world: int,
-                 traced: Iterable[int]) -> None:
+                 traced: Iterable[int], correlation: float = 1.0, duty: float = 1.0) -> None:
         if cores < 1 or ranks_per_node < 1:
             raise ValueError(f"cores ({cores}) and ranks per node ({ranks_per_node}) must be >= 1")
         self.cores, self.threads = cores, max(1, threads)
         self.node_of = {r: r // ranks_per_node for r in traced}
         on_node = Counter(r // ranks_per_node for r in range(max(world, 1 + max(self.node_of))))
-        traced_on = Counter(self.node_of.values())
-        self.stands_for = {n: on_node[n] / traced_on[n] for n in traced_on}
+        if not 0.0 <= correlation <= 1.0 or not 0.0 <= duty <= 1.0:
+            raise ValueError(f"correlation ({correlation}) and duty ({duty}) must be in [0, 1]")
+        self.traced_on = Counter(self.node_of.values())
+        self.untraced = {n: on_node[n] - self.traced_on[n] for n in self.traced_on}
+        self.correlation, self.duty = correlation, duty
         self.computing: Counter[int] = Counter()
+
+    @property
+    def phased(self) -> bool:
+        """Whether the untraced ranks' phase matters: some are untraced, and not in lockstep."""
+        return self.correlation < 1.0 and any(self.untraced.values())
 
     def factor(self, rank: int) -> float:
         """How many times slower than alone `rank` computes now."""
         node = self.node_of[rank]
-        return max(1.0, self.threads * self.computing[node] * self.stands_for[node] / self.cores)
+        computing = self.computing[node]
+        weight = (self.correlation * computing / self.traced_on[node]
+                  + (1.0 - self.correlation) * self.duty)
+        return max(1.0, self.threads * (computing + self.untraced[node] * weight) / self.cores)
 
     def same_node(self, a: int, b: int) -> bool:
         return self.node_of[a] == self.node_of[b]

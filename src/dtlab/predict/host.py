@@ -3,10 +3,17 @@ timed, and how its cores are shared among the ranks of a node (cores.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from dtlab.predict.cores import CoreShare
 from dtlab.predict.events import Trace
+from dtlab.predict.timeline import Timeline
+
+# The duty cycle's fixed point (cores.py): it moves by less than this between two simulations,
+# or the iterations run out (each is one simulation of the step, linear in its events).
+DUTY_TOLERANCE = 1e-3
+DUTY_ITERATIONS = 30
 
 
 def core_share(cluster: Any, threads: int, ranks_per_node: int, world: int,
@@ -19,7 +26,34 @@ def core_share(cluster: Any, threads: int, ranks_per_node: int, world: int,
         notes.append(f"{ranks_per_node} rank(s) x {threads} thread(s) share {cores} cores: "
                      "each rank computes at its share of them while the others compute "
                      f"(up to {ranks_per_node * threads / cores:.2g}x slower than alone)")
-    return CoreShare(cores, threads, ranks_per_node, world, traces)
+    return CoreShare(cores, threads, ranks_per_node, world, traces,
+                     correlation=getattr(cluster, "phase_correlation", 1.0))
+
+
+def duty_cycle(timeline: Timeline) -> float:
+    """The fraction of the step the slowest traced rank spends computing."""
+    if timeline.step_s <= 0:
+        return 0.0
+    computing = sum(s for k, s in timeline.split.items() if k != "bubble")
+    return min(1.0, computing / timeline.step_s)
+
+
+def simulate_shared(run: Callable[[CoreShare | None], Timeline],
+                    cores: CoreShare | None) -> Timeline:
+    """run(cores), the step simulated with the node's cores shared. Where the untraced ranks'
+    phase matters (CoreShare.phased) their duty cycle is the traced ranks': starting from 1 (every
+    rank computes all the time, the most sharing), each simulation's duty cycle is the next one's,
+    down to the fixed point (the duty cycle falls with the sharing, monotonically)."""
+    timeline = run(cores)
+    if cores is None or not cores.phased:
+        return timeline
+    for _ in range(DUTY_ITERATIONS):
+        duty = duty_cycle(timeline)
+        if abs(duty - cores.duty) < DUTY_TOLERANCE:
+            break
+        cores.duty = duty
+        timeline = run(cores)
+    return timeline
 
 
 def load_probe(device: str) -> Any:
