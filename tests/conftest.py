@@ -45,8 +45,11 @@ def _pin_xdist_worker() -> None:
     second core busy, and OpenMP's barrier then waits on a descheduled thread (the quick CNN's
     step measured here on a busy machine: 0.36 s with 2 threads, 0.075 s with 1). Pinned, every
     rank runs 1 thread per core it owns; with more workers than cores, workers share a core
-    round-robin (measured: -n 4 on 2 cores is slower than -n 2, 481 vs 412 s: the suite is bound
-    by CPU, not by waits). DTLAB_TEST_NO_PIN=1 turns this off."""
+    round-robin. make test runs 3 workers on the 2-core CI host: the suite waits on launchers,
+    timeouts and SLURM's polls, so 2 workers kept the cores 64% busy (2026-11-28); 3 ran the
+    whole suite in 7:43 with both cores 95% busy (885 CPU-seconds), where 2 took 12:42 and 13:38
+    in that day's fresh clones.
+    DTLAB_TEST_NO_PIN=1 turns this off."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if not worker.startswith("gw") or count < 2 or os.environ.get("DTLAB_TEST_NO_PIN") == "1":
@@ -303,10 +306,10 @@ def local_sweep(session_dir: Path) -> tuple[Path, subprocess.CompletedProcess[st
     return out, proc
 
 
-# make test runs the suite on 2 pytest-xdist workers with --dist loadgroup, each worker pinned to
-# one core. Groups keep what must stay together on one worker: a module (its module-scoped
+# make test runs the suite on 3 pytest-xdist workers with --dist loadgroup, each worker pinned to
+# one core (two of them share one). Groups keep what must stay together on one worker: a module (its module-scoped
 # fixtures run once), the tests sharing the local sweep, the tests that start the local SLURM
-# cluster; each guide chapter is its own group, so chapters spread over both workers.
+# cluster; each guide chapter is its own group, so chapters spread over the workers.
 GROUPS = {"test_report_browser": "sweep", "test_sweep": "sweep", "test_slurm": "slurm"}
 # Seconds a group takes on one core, heaviest first (measured 2026-11-28 in a full -n 2 run on a
 # busy machine; slurm: with installing SLURM on a fresh machine; groups of 5 s or less left at the
@@ -330,7 +333,7 @@ COST = {"slurm": 200, "guide-11-predict.md": 60, "test_signals": 105, "guide-05-
         # .ci/run starts beside the suite (~3 min of CPU), which is done by then
         "test_nvme_offload": 0}
 # Modules whose tests are each a group of their own: the last ones, so that their two 12-s
-# trainings end the suite on both workers instead of one after the other on one
+# trainings end the suite on two workers instead of one after the other on one
 SPLIT = {"test_nvme_offload"}
 
 

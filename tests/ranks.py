@@ -97,7 +97,7 @@ def start(nproc: int, argv: list[str], target: Callable[[list[str]], int] = _tra
     from dtlab.process.launch import report_failures
 
     ensure_forkserver()
-    store = _store() if nproc > 1 else None
+    store = stores(1)[0] if nproc > 1 else None
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         procs = []
         for rank in range(nproc):
@@ -183,14 +183,15 @@ def memoize_synthetic_images() -> None:
     dtlab.data.synthetic_tokens = memoized(dtlab.data.synthetic_tokens)
 
 
-def _store() -> Any:
-    """The ranks' rendezvous store, served from this process on a port the kernel picks as it
-    binds. A port found free and handed to rank 0 to bind later could be taken meanwhile (the
-    other pytest workers' ranks open listening sockets all the time): seen as "TCP client failed
-    to connect ... Connection reset by peer" with 3 workers."""
+def stores(n: int) -> list[Any]:
+    """`n` rendezvous stores for the ranks (their MASTER_PORT: `.port`), served from this process
+    on ports the kernel picks as it binds; keep them referenced while the ranks run. A port found
+    free and handed to rank 0 to bind later could be taken meanwhile (the other pytest workers'
+    ranks open listening sockets all the time): seen as "TCP client failed to connect ...
+    Connection reset by peer" with 3 workers."""
     from torch.distributed import TCPStore
 
-    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(n)]
 
 
 def launch(worker_args: list[str], nproc_per_node: int, nnodes: int = 1,

@@ -42,7 +42,7 @@ HAS_DS = importlib.util.find_spec("deepspeed") is not None
 def every_run(argv: list[str]) -> int:
     """A rank's target: dtlab.train's entry point once per run, in order (argv: a JSON list of
     (port, arguments)); the first failure's exit code. Each run's process group meets on a port
-    of its own: the last one's store may still hold its port."""
+    of its own (ranks.stores: served by the test's process)."""
     import os
 
     from dtlab.strategies.deepspeed import forget_groups
@@ -55,18 +55,6 @@ def every_run(argv: list[str]) -> int:
         if code:
             return code
     return 0
-
-
-def free_ports(n: int) -> list[int]:
-    import socket
-
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def args_of(spec: str, run_dir: Path) -> list[str]:
@@ -87,7 +75,9 @@ def specs() -> list[str]:
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, list]]:
     root = tmp_path_factory.mktemp("collectives")
     runs = {spec: root / spec.replace(":", "-").replace("+", "-") for spec in specs()}
-    plan = list(zip(free_ports(len(runs)), [args_of(s, d) for s, d in runs.items()], strict=True))
+    served = ranks.stores(len(runs))  # referenced until the ranks are done
+    plan = list(zip([s.port for s in served], [args_of(s, d) for s, d in runs.items()],
+                    strict=True))
     proc = ranks.start(2, [json.dumps(plan)],
                        target=every_run, env={"DTLAB_RECORD_STEP": str(STEPS)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
