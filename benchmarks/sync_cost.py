@@ -15,6 +15,16 @@ turned over by the compute), which the `dtlab comm` fit, measured back to back, 
 The median over the ranks of each loop's per-iteration time; the three loops alternate
 `--rounds` times so that drift in the machine's load falls on all three.
 
+On more than 2 ranks it also prints the ranks' phase correlation in the step loop: the Pearson
+correlation of two ranks' "computing" indicators over time (each block timed on the host's
+monotonic clock), the median over pairs, rounds and sizes. 1 is lockstep, what cores.py assumes
+by default; it is what a cluster file's `phase_correlation` means. Measured here (4 ranks on 2
+cores, 2026-11-28): 0.04 with the default blocks (2 ms of compute alone), 0.18 with 8 ms
+(--matmuls 24), 0.33 with 31 ms (--matmuls 96). The short blocks ran mostly one rank at a
+time, each at its speed alone (the four duty cycles summed to 1.04 on 2 cores), released one
+after another from gloo's collective; longer blocks share the cores more (docs/benchmarks.md,
+seventh session).
+
 Run it on a quiet machine. On a GPU the question is another (NCCL kernels queue behind the
 compute on their own stream): not measured there.
 """
@@ -34,6 +44,38 @@ from gloo_ranks import run_ranks
 def _size(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20}
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Seconds during which both lists of disjoint, ordered spans cover the time."""
+    i = j = 0
+    both = 0.0
+    while i < len(a) and j < len(b):
+        both += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return both
+
+
+def phase_correlation(spans: list[list[tuple[float, float]]]) -> float:
+    """The Pearson correlation of two ranks' 'computing' indicators over the time all of them
+    were in the loop, the median over the pairs of ranks: what cluster files call
+    phase_correlation (dtlab/predict/cores.py). Where one rank computes, another computes with
+    probability rho + (1 - rho) x its duty cycle."""
+    start, end = max(s[0][0] for s in spans), min(s[-1][1] for s in spans)
+    window = end - start
+    clipped = [[(max(a, start), min(b, end)) for a, b in s if b > start and a < end] for s in spans]
+    duty = [sum(b - a for a, b in s) / window for s in clipped]
+    rhos = []
+    for i in range(len(spans)):
+        for j in range(i + 1, len(spans)):
+            spread = (duty[i] * (1 - duty[i]) * duty[j] * (1 - duty[j])) ** 0.5
+            if spread > 0:
+                both = _overlap(clipped[i], clipped[j]) / window
+                rhos.append((both - duty[i] * duty[j]) / spread)
+    return statistics.median(rhos) if rhos else 1.0
 
 
 def rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
@@ -72,11 +114,20 @@ def rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out: 
             block()
             op()
         samples: dict[str, list[float]] = {"compute": [], "collective": [], "step": []}
+        computing: list[list[tuple[float, float]]] = []  # per round: the step loop's blocks
+
+        def timed_block(spans: list[tuple[float, float]]) -> None:
+            t0 = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the host
+            block()
+            spans.append((t0, time.monotonic()))
+
         for _ in range(args.rounds):
             samples["compute"].append(loop(block))
             samples["collective"].append(loop(op))
-            samples["step"].append(loop(lambda: (block(), op())))
-        result[str(size)] = samples
+            spans: list[tuple[float, float]] = []
+            samples["step"].append(loop(lambda spans=spans: (timed_block(spans), op())))
+            computing.append(spans)
+        result[str(size)] = {**samples, "computing": computing}
     Path(f"{out}.{rank}").write_text(json.dumps({"rank": rank, "threads": threads,
                                                  "samples": result}))
     dist.destroy_process_group()
@@ -110,12 +161,18 @@ def main() -> None:
               f"{med['collective'] * 1e3:.3f} ms, step {med['step'] * 1e3:.3f} ms -> sync "
               f"{sync * 1e3:+.3f} ms per collective")
     sync_s = statistics.median(r["sync_s"] for r in rows)
+    rho = statistics.median(
+        phase_correlation([r["samples"][str(size)]["computing"][k] for r in ranks])
+        for size in args.sizes for k in range(args.rounds)) if args.world > 2 else None
+    if rho is not None:
+        print(f"phase correlation of the ranks' compute in the step loop: {rho:.2f} (1: they "
+              "compute in lockstep; 0: independently)")
     print(f"sync_s: {sync_s * 1e6:.0f} us (median over the sizes; torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, load average {load_before:.2f} before, "
           f"{load_after:.2f} after)")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"sync_s": sync_s, "rows": rows, "ranks": ranks, "torch": torch.__version__,
+            {"sync_s": sync_s, "phase_correlation": rho, "rows": rows, "ranks": ranks, "torch": torch.__version__,
              "load_average": [load_before, load_after],
              "args": {k: v for k, v in vars(args).items() if k != "json"}}, indent=2) + "\n")
 

@@ -370,6 +370,23 @@ def test_ranks_that_only_compute_share_the_cores_alike_in_any_phase():
     assert phased_run(events, 1.0).step_s == pytest.approx(6.0)
 
 
+def test_phase_correlation_of_measured_spans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/sync_cost.py's measure of the cluster file's phase_correlation: two ranks
+    computing 2 s of every 4 s, in step (1), in turn (-1), or a quarter apart (0: the second
+    computes half the time whether the first does or not)."""
+    from conftest import ROOT
+
+    monkeypatch.syspath_prepend(ROOT / "benchmarks")
+    from sync_cost import phase_correlation
+
+    def every_4s(offset: float) -> list[tuple[float, float]]:
+        return [(4.0 * k + offset, 4.0 * k + offset + 2.0) for k in range(10)]
+
+    assert phase_correlation([every_4s(0.0), every_4s(0.0)]) == pytest.approx(1.0)
+    assert phase_correlation([every_4s(0.0), every_4s(2.0)]) == pytest.approx(-1.0, abs=0.03)
+    assert phase_correlation([every_4s(0.0), every_4s(1.0)]) == pytest.approx(0.0, abs=0.03)
+
+
 def test_sharing_and_overlap_slowdown_multiply():
     """A rank at half its core's share that overlaps a collective runs (1 + slowdown) x 2 slower
     meanwhile; the overlap's part alone is reported as slowdown_s."""
