@@ -98,8 +98,8 @@ def test_unknown_cluster_name_lists_the_known_ones() -> None:
      "configs/clusters/h100_sxm_8x.yaml"),
     (lambda t: t + "phase_correlation: 0.5\n",
      "cluster file '{p}': the file gives one of phase_correlation and phase_correlation_source; "
-     "fix: give both (how in step the ranks sharing a CPU's cores compute, 0 to 1, and where it "
-     "comes from) or neither"),
+     "fix: give both (how in step the ranks sharing a CPU's cores compute, 0 to 1, "
+     "benchmarks/sync_cost.py, and where it comes from) or neither"),
     (lambda t: t + "phase_correlation: 0.5\nphase_correlation_source: a fit\n",
      "cluster file '{p}': the file gives phase_correlation without cores; fix: remove it (it "
      "is how ranks share a CPU host's cores) or set cores"),

@@ -46,14 +46,10 @@ class LinkSpec(_Strict):
 
     @model_validator(mode="after")
     def _sourced(self) -> LinkSpec:
-        if (self.sync_us is None) != (self.sync_source is None):
-            raise ValueError("gives one of sync_us and sync_source; fix: give both (the cost of "
-                             "a collective inside a step, benchmarks/sync_cost.py, and where it "
-                             "comes from) or neither")
-        if (self.burst is None) != (self.burst_source is None):
-            raise ValueError("gives one of burst and burst_source; fix: give both (what a call "
-                             "issued back to back with others costs over its price, "
-                             "benchmarks/burst_cost.py, and where it comes from) or neither")
+        _paired(self, "sync_us", "sync_source",
+                "the cost of a collective inside a step, benchmarks/sync_cost.py")
+        _paired(self, "burst", "burst_source", "what a call issued back to back with others "
+                "costs over its price, benchmarks/burst_cost.py")
         return self
 
     @model_validator(mode="after")
@@ -101,14 +97,19 @@ class ClusterSpec(_Strict):
 
     @model_validator(mode="after")
     def _phase_sourced(self) -> ClusterSpec:
-        if (self.phase_correlation is None) != (self.phase_correlation_source is None):
-            raise ValueError("the file gives one of phase_correlation and "
-                             "phase_correlation_source; fix: give both (how in step the ranks sharing a CPU's cores compute, "
-                             "0 to 1, and where it comes from) or neither")
+        _paired(self, "phase_correlation", "phase_correlation_source", "how in step the ranks "
+                "sharing a CPU's cores compute, 0 to 1, benchmarks/sync_cost.py", "the file ")
         if self.phase_correlation is not None and self.cores is None:
             raise ValueError("the file gives phase_correlation without cores; fix: remove it "
                              "(it is how ranks share a CPU host's cores) or set cores")
         return self
+
+
+def _paired(spec: BaseModel, value: str, source: str, what: str, who: str = "") -> None:
+    """A number and its source come together or not at all."""
+    if (getattr(spec, value) is None) != (getattr(spec, source) is None):
+        raise ValueError(f"{who}gives one of {value} and {source}; fix: give both ({what}, and "
+                         "where it comes from) or neither")
 
 
 def problem(e: ValidationError) -> str:
