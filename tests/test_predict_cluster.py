@@ -103,8 +103,12 @@ def test_unknown_cluster_name_lists_the_known_ones() -> None:
     (lambda t: t + "phase_correlation: 0.5\nphase_correlation_source: a fit\n",
      "cluster file '{p}': the file gives phase_correlation without cores; fix: remove it (it "
      "is how ranks share a CPU host's cores) or set cores"),
+    (lambda t: t + "phase_correlation: {2: 0.1, 0: 0.3}\nphase_correlation_source: sync_cost\n",
+     "cluster file '{p}': phase_correlation {{2.0: 0.1, 0.0: 0.3}} is not a number from 0 to 1 or "
+     "a mapping of milliseconds of compute (> 0) to such numbers; fix: give what "
+     "benchmarks/sync_cost.py --world 4 measured (0 to 1), one value or one per --matmuls"),
 ], ids=["duplicate", "unknown", "missing", "negative", "no-bandwidth", "dtype", "not-mapping",
-        "phase-unsourced", "phase-without-cores"])
+        "phase-unsourced", "phase-without-cores", "phase-table-at-0-ms"])
 def test_malformed_cluster_file_is_one_line(tmp_path: Path, edit, message: str) -> None:  # noqa: ANN001
     """A cluster file with a key written twice, an unknown or missing key, a negative bandwidth,
     a link without its bandwidth or an unknown dtype is refused in one line naming the key."""

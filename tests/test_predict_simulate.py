@@ -370,6 +370,28 @@ def test_ranks_that_only_compute_share_the_cores_alike_in_any_phase():
     assert phased_run(events, 1.0).step_s == pytest.approx(6.0)
 
 
+def test_phase_correlation_by_compute_between_meetings() -> None:
+    """A measured table {ms: rho} is read linearly in log(ms) between its points and held flat
+    beyond them; the step's compute per traced rank picks the value (host.core_share)."""
+    from types import SimpleNamespace
+
+    from dtlab.predict.cores import correlation_at
+    from dtlab.predict.host import core_share
+
+    table = {2.0: 0.0, 8.0: 0.2, 32.0: 0.6}
+    assert correlation_at(0.3, 100.0) == 0.3
+    assert correlation_at(table, 1.0) == 0.0 and correlation_at(table, 500.0) == 0.6
+    assert correlation_at(table, 4.0) == pytest.approx(0.1)  # halfway in log(ms)
+    assert correlation_at(table, 16.0) == pytest.approx(0.4)
+    cluster = SimpleNamespace(cores=2, phase_correlation=table, phase_correlation_source="test")
+    traces = {0: Trace(rank=0, world=4, events=[comp(0.002), comp(0.002, "backward"),
+                                                 coll(0, 0.001, group=(0, 1, 2, 3)), Wait(0)])}
+    notes: list[str] = []
+    share = core_share(cluster, 1, 4, 4, traces, notes, compute_s)
+    assert share.correlation == pytest.approx(0.1)  # 4 ms of compute a step
+    assert "phase correlation 0.10 at 4 ms of compute a step (test)" in notes[0]
+
+
 def test_phase_correlation_of_measured_spans(monkeypatch: pytest.MonkeyPatch) -> None:
     """benchmarks/sync_cost.py's measure of the cluster file's phase_correlation: two ranks
     computing 2 s of every 4 s, in step (1), in turn (-1), or a quarter apart (0: the second

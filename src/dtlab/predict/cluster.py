@@ -102,7 +102,9 @@ class Cluster:
     cores: int | None  # CPU: cores the ranks of a node share (None: a device per rank)
     collectives_at_once: int = 1  # a rank's collectives in flight together (gloo: its threads)
     collectives_at_once_source: str = "one at a time: NCCL runs a communicator's on one stream"
-    phase_correlation: float = 1.0  # CPU: how in step the ranks sharing cores compute (cores.py)
+    # CPU: how in step the ranks sharing cores compute, or per ms of compute between their
+    # meetings (cores.py)
+    phase_correlation: float | dict[float, float] = 1.0
     phase_correlation_source: str = "lockstep: every rank computes when the traced ones do"
     notes: str = ""
     memory_source: str = ""

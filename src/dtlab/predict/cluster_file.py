@@ -17,6 +17,7 @@ EXAMPLE = "configs/clusters/h100_sxm_8x.yaml"
 _Positive = Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)]
 _NonNegative = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False)]
 _Source = Annotated[str, Field(min_length=1, strict=True)]
+_Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
@@ -88,8 +89,8 @@ class ClusterSpec(_Strict):
     collectives_at_once: Annotated[int, Field(ge=1, le=64, strict=True)] = 1
     collectives_at_once_source: _Source | None = None
     cores: Annotated[int, Field(gt=0, strict=True)] | Literal["machine"] | None
-    phase_correlation: Annotated[float, Field(ge=0, le=1, strict=True,
-                                              allow_inf_nan=False)] | None = None
+    # one value, or {ms of compute between two meetings of the ranks: value} as measured
+    phase_correlation: _Number | dict[float, _Number] | None = None
     phase_correlation_source: _Source | None = None
     intra: LinkSpec
     inter: LinkSpec
@@ -99,6 +100,14 @@ class ClusterSpec(_Strict):
     def _phase_sourced(self) -> ClusterSpec:
         _paired(self, "phase_correlation", "phase_correlation_source", "how in step the ranks "
                 "sharing a CPU's cores compute, 0 to 1, benchmarks/sync_cost.py", "the file ")
+        rho = self.phase_correlation
+        table = rho if isinstance(rho, dict) else {1.0: rho} if rho is not None else {}
+        if (isinstance(rho, dict) and not rho) or any(
+                not ms > 0 or not 0 <= r <= 1 for ms, r in table.items()):
+            raise ValueError(f"phase_correlation {rho} is not a number from 0 to 1 or a mapping "
+                             "of milliseconds of compute (> 0) to such numbers; fix: give what "
+                             "benchmarks/sync_cost.py --world 4 measured (0 to 1), one value or "
+                             "one per --matmuls")
         if self.phase_correlation is not None and self.cores is None:
             raise ValueError("the file gives phase_correlation without cores; fix: remove it "
                              "(it is how ranks share a CPU host's cores) or set cores")

@@ -184,7 +184,7 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
         record.add(token, traces[min(traces)])
     compute_s, comm_s, sources = pricing(req, cfg, token)
     cores = core_share(req.cluster, req.threads or 1, req.ranks_per_node, req.world, traces,
-                       notes)
+                       notes, compute_s)
     timeline = simulate_shared(lambda share: simulate(
         traces, compute_s, comm_s, req.cluster.overlap_slowdown, cores=share,
         comm_slowdown=req.cluster.comm_overlap_slowdown,

@@ -11,8 +11,11 @@ the cluster's `phase_correlation` rho: with rho = 1 they compute exactly when th
 rho = 0 their phase is independent of the traced ranks' (the OS time-slices 4 ranks on 2 cores,
 and a rank that waits for a collective hands its core to one that computes), and each computes
 a `duty` fraction of the time, the traced ranks' own (host.simulate_shared iterates the
-simulation to that fixed point). In between, an untraced rank computes with weight rho x (share of the traced ranks
-computing) + (1 - rho) x duty.
+simulation to that fixed point). In between, an untraced rank computes with weight
+rho x (share of the traced ranks computing) + (1 - rho) x duty. rho is the Pearson correlation
+of two ranks' "computing" over time (benchmarks/sync_cost.py measures it); a cluster file may
+give it per length of the compute between two meetings of the ranks, as measured, since it
+grows with that length (correlation_at).
 
 Not modelled: the cores that communication itself takes (gloo's threads copy and reduce on the
 CPU: the overlap slowdown of the cluster file covers the rank's own), and the memory bandwidth and
@@ -22,8 +25,25 @@ node's other ranks running beside the traced one, predict/corun.py).
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import Counter
 from collections.abc import Iterable
+
+
+def correlation_at(rho: float | dict[float, float], compute_ms: float) -> float:
+    """The phase correlation of ranks that compute `compute_ms` between two meetings: `rho`
+    itself, or from a table {compute ms: rho} of measurements, linear in log(ms) between two
+    points and the nearest point's value beyond them (never extrapolated)."""
+    if not isinstance(rho, dict):
+        return float(rho)
+    points = sorted(rho.items())
+    if compute_ms <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if compute_ms <= x1:
+            return y0 + (y1 - y0) * math.log(compute_ms / x0) / math.log(x1 / x0)
+    return points[-1][1]
 
 
 class CoreShare:

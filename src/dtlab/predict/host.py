@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dtlab.predict.cores import CoreShare
-from dtlab.predict.events import Trace
+from dtlab.predict.cores import CoreShare, correlation_at
+from dtlab.predict.events import Compute, Trace
 from dtlab.predict.timeline import Timeline
 
 # The duty cycle's fixed point (cores.py): it moves by less than this between two simulations,
@@ -17,17 +17,25 @@ DUTY_ITERATIONS = 30
 
 
 def core_share(cluster: Any, threads: int, ranks_per_node: int, world: int,
-               traces: dict[int, Trace], notes: list[str]) -> CoreShare | None:
-    """The simulator's sharing of a CPU host's cores among its ranks (None: a device per rank)."""
+               traces: dict[int, Trace], notes: list[str],
+               compute_s: Callable[[Compute], float]) -> CoreShare | None:
+    """The simulator's sharing of a CPU host's cores among its ranks (None: a device per rank).
+    The ranks' phase correlation is the cluster's at the traced ranks' compute per step: the
+    ranks all meet at least once a step, at the optimizer's (cores.correlation_at)."""
     cores = cluster.cores
     if not cores:
         return None
+    per_step = max(sum(compute_s(e) for e in t.events if isinstance(e, Compute))
+                   for t in traces.values())
+    rho = correlation_at(cluster.phase_correlation, per_step * 1e3)
+    share = CoreShare(cores, threads, ranks_per_node, world, traces, correlation=rho)
     if ranks_per_node * threads > cores:
         notes.append(f"{ranks_per_node} rank(s) x {threads} thread(s) share {cores} cores: "
                      "each rank computes at its share of them while the others compute "
-                     f"(up to {ranks_per_node * threads / cores:.2g}x slower than alone)")
-    return CoreShare(cores, threads, ranks_per_node, world, traces,
-                     correlation=getattr(cluster, "phase_correlation", 1.0))
+                     f"(up to {ranks_per_node * threads / cores:.2g}x slower than alone)"
+                     + (f"; phase correlation {rho:.2f} at {per_step * 1e3:.3g} ms of compute "
+                        f"a step ({cluster.phase_correlation_source})" if share.phased else ""))
+    return share
 
 
 def duty_cycle(timeline: Timeline) -> float:
