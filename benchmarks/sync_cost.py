@@ -113,6 +113,15 @@ def rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out: 
         for _ in range(3):  # warm-up: allocator, gloo's connections, the matmul's code paths
             block()
             op()
+        alone = []  # the block with every other rank waiting: its length for phase_correlation
+        for r in range(world):
+            dist.barrier()
+            if r == rank:
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    block()
+                    alone.append(time.perf_counter() - t0)
+        dist.barrier()
         samples: dict[str, list[float]] = {"compute": [], "collective": [], "step": []}
         computing: list[list[tuple[float, float]]] = []  # per round: the step loop's blocks
 
@@ -127,7 +136,8 @@ def rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out: 
             spans: list[tuple[float, float]] = []
             samples["step"].append(loop(lambda spans=spans: (timed_block(spans), op())))
             computing.append(spans)
-        result[str(size)] = {**samples, "computing": computing}
+        result[str(size)] = {**samples, "computing": computing,
+                             "block_alone_s": statistics.median(alone)}
     Path(f"{out}.{rank}").write_text(json.dumps({"rank": rank, "threads": threads,
                                                  "samples": result}))
     dist.destroy_process_group()
@@ -164,15 +174,18 @@ def main() -> None:
     rho = statistics.median(
         phase_correlation([r["samples"][str(size)]["computing"][k] for r in ranks])
         for size in args.sizes for k in range(args.rounds)) if args.world > 2 else None
+    alone_s = statistics.median(r["samples"][str(size)]["block_alone_s"]
+                                for r in ranks for size in args.sizes)
     if rho is not None:
         print(f"phase correlation of the ranks' compute in the step loop: {rho:.2f} (1: they "
-              "compute in lockstep; 0: independently)")
+              f"compute in lockstep; 0: independently), between meetings {alone_s * 1e3:.3g} ms "
+              "of compute each (a block alone)")
     print(f"sync_s: {sync_s * 1e6:.0f} us (median over the sizes; torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, load average {load_before:.2f} before, "
           f"{load_after:.2f} after)")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"sync_s": sync_s, "phase_correlation": rho, "rows": rows, "ranks": ranks, "torch": torch.__version__,
+            {"sync_s": sync_s, "phase_correlation": rho, "block_alone_s": alone_s, "rows": rows, "ranks": ranks, "torch": torch.__version__,
              "load_average": [load_before, load_after],
              "args": {k: v for k, v in vars(args).items() if k != "json"}}, indent=2) + "\n")
 
