@@ -10,7 +10,9 @@ iterations):
   1. `dtlab comm --op all` on 2 and on 4 local ranks, 4 bytes up: the links' alpha-beta fits from
      1 KiB up (smaller sizes priced as measured: LINE_FROM below); an op whose fit
      the fit's own checks refuse is left out of `fits:` (priced from all_reduce's), as cpu_gloo does
-  2. benchmarks/sync_cost.py on 2 and 4 ranks: a collective's cost after the rank's own compute
+  2. benchmarks/sync_cost.py on 2 and 4 ranks: a collective's cost after the rank's own compute;
+     on 4 ranks again with longer blocks (PHASE_MATMULS): the ranks' phase correlation per
+     length of compute between two meetings (cores.py)
   3. benchmarks/burst_cost.py on 2 and 4 ranks: calls issued back to back, over the new fits' price
   4. benchmarks/overlap_slowdown.py: compute beside communication, and communication beside compute
 Then DIR/cluster.yaml: the shipped cpu_gloo file with these numbers and their sources (date, load
@@ -38,6 +40,10 @@ COMM = {2: ["--min-bytes", "4", "--max-bytes", "4M", "--factor", "16", "--iters"
 # The line is fitted from 1 KiB up; 4 and 64 bytes are priced as measured: gloo's one-element
 # all-reduce (a flag, a norm) costs a fraction of the line's latency (dtlab/comm/model.py)
 LINE_FROM = 1024
+# The ranks' phase correlation grows with the compute between their meetings: sync_cost.py's
+# 4-rank step loop at blocks of about 2 (its default 6 matmuls, measured with the sync cost),
+# 8, 31 and 125 ms of compute here, a point each for the cluster file's table
+PHASE_MATMULS = (24, 96, 384)
 
 
 def run(cmd: list[str], what: str) -> None:
@@ -112,6 +118,23 @@ def main() -> int:
         # Below zero: the noise is larger than the cost; withheld (0), and said so
         sync[world] = (max(us, 0), stamp(data, path) + ("" if us >= 0 else
                                                         f"; measured {us} us: noise, not used"))
+    phase: dict[float, float] = {}
+    phase_files = []
+    for matmuls in (None, *PHASE_MATMULS):
+        path = out / ("sync_cost_4ranks.json" if matmuls is None
+                      else f"phase_correlation_{matmuls}matmuls.json")
+        if matmuls is not None:
+            run([py, "benchmarks/sync_cost.py", "--world", "4", "--matmuls", str(matmuls),
+                 "--sizes", "4K", "--repeats", "5" if args.quick else "10", "--rounds", "3",
+                 "--json", str(path)], f"phase correlation, {matmuls} matmuls a block")
+        data = json.loads(path.read_text())
+        # below 0: ranks that take turns more than chance would, which cores.py does not model
+        phase[round(data["block_alone_s"] * 1e3, 1)] = round(max(0.0, data["phase_correlation"]), 2)
+        phase_files.append(path.name)
+    spec["phase_correlation"] = phase
+    spec["phase_correlation_source"] = (
+        "per ms of compute between two meetings of the ranks, "
+        + stamp(data, path).replace(f"({path.name};", f"({', '.join(phase_files)};"))
     for world in (2, 4):
         path = out / f"burst_cost_{world}ranks.json"
         rounds = ["--rounds", "5"] if args.quick else []
