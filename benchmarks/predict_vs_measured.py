@@ -10,7 +10,8 @@ priced by the cluster file, one step simulated) beside the median step of a real
 of `--steps` steps (STEPS below) on as many local gloo ranks (dtlab.predict.truth.measure_run),
 the median of `--runs` such runs (the same program's step differs from run to run here, by up
 to 30% for the CNN at 2 ranks, a hand-written DDP loop as much: docs/benchmarks.md), and the
-error;
+error. With --fresh each prediction runs in a process of its own, as each run does: a process
+keeps one speed for its life here, and a single predicting process biases every row alike;
 then the mean absolute error and the largest. With --interleave, the row is predicted again
 before each run (the compute measured anew each time) and the medians are compared: this host's
 speed drifts by more than the model's errors over an hour (docs/benchmarks.md), and predicting
@@ -78,6 +79,17 @@ def predict(cfg_path: str, overrides: list[str], strategy: str, ranks: int,
     from dtlab.predict.core import predict_step
 
     return predict_step(cfg_path, overrides, strategy, ranks, cluster)
+
+
+def predict_fresh(*args: Any) -> dict[str, Any]:
+    """predict(*args) in a process of its own, as each run has: here a process keeps one speed
+    for its life, up to 2x from one process to the next (docs/benchmarks.md, sixth session), and
+    predicting every row in this one process would carry its speed into all of them."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(predict, *args).result()
 
 
 def predicted_collectives(cfg_path: str, overrides: list[str], strategy: str,
@@ -154,7 +166,8 @@ def run_row(config: str, variant: str, strategy: str, ranks: int, args: argparse
         for i in range(args.runs):  # predict, run, predict, run: the host's drift hits both
             if i == 0 or args.interleave:
                 try:
-                    guesses.append(predict(path, overrides, strategy, ranks, cluster))
+                    guess = predict_fresh if args.fresh else predict
+                    guesses.append(guess(path, overrides, strategy, ranks, cluster))
                 except Exception as e:  # one row's failure must not lose the others  # noqa: BLE001
                     return {**row, "skipped": f"prediction failed: {type(e).__name__}: "
                                               f"{str(e).strip().splitlines()[0]}"}
@@ -213,6 +226,8 @@ def main() -> None:
                         help="steps per run, a third warm-up (default: gpt 12, cnn 48)")
     parser.add_argument("--runs", type=int, default=3,
                         help="runs per row; measured: the median of their median steps")
+    parser.add_argument("--fresh", action="store_true",
+                        help="each prediction in a new process, as each run is (predict_fresh)")
     parser.add_argument("--interleave", action="store_true",
                         help="predict again before each run (the compute measured anew), and "
                              "compare the medians: a drifting host's speed hits both sides")
@@ -253,6 +268,7 @@ def main() -> None:
         errors = [abs(r["error"]) for r in rows if "error" in r]
         args.json.write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d"), "cluster": cluster.name, "steps": steps,
+            "interleaved": args.interleave, "fresh": args.fresh,
             "rows": rows, "mean_abs_error": sum(errors) / len(errors) if errors else None,
             "max_abs_error": max(errors, default=None)}, indent=1))
 
