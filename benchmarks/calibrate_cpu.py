@@ -63,11 +63,11 @@ def fitted_ops(path: Path) -> list[str]:
     return kept
 
 
-def stamp(data: dict[str, Any], path: Path) -> str:
+def stamp(data: dict[str, Any], *paths: Path) -> str:
     load = data.get("load_average") or ["?", "?"]
     return (f"measured on this host by benchmarks/calibrate_cpu.py on {time.strftime('%Y-%m-%d')}"
-            f" ({path.name}; 1-min load average {load[0]:.2f} before, {load[-1]:.2f} after, the "
-            "calibration's own earlier steps included)")
+            f" ({', '.join(p.name for p in paths)}; 1-min load average {load[0]:.2f} before, "
+            f"{load[-1]:.2f} after, the calibration's own earlier steps included)")
 
 
 def main() -> int:
@@ -119,7 +119,7 @@ def main() -> int:
         sync[world] = (max(us, 0), stamp(data, path) + ("" if us >= 0 else
                                                         f"; measured {us} us: noise, not used"))
     phase: dict[float, float] = {}
-    phase_files = []
+    phase_files, loads = [], []
     for matmuls in (None, *PHASE_MATMULS):
         path = out / ("sync_cost_4ranks.json" if matmuls is None
                       else f"phase_correlation_{matmuls}matmuls.json")
@@ -130,11 +130,12 @@ def main() -> int:
         data = json.loads(path.read_text())
         # below 0: ranks that take turns more than chance would, which cores.py does not model
         phase[round(data["block_alone_s"] * 1e3, 1)] = round(max(0.0, data["phase_correlation"]), 2)
-        phase_files.append(path.name)
+        phase_files.append(path)
+        loads += data["load_average"]
     spec["phase_correlation"] = phase
     spec["phase_correlation_source"] = (
         "per ms of compute between two meetings of the ranks, "
-        + stamp(data, path).replace(f"({path.name};", f"({', '.join(phase_files)};"))
+        + stamp({"load_average": [loads[0], loads[-1]]}, *phase_files))
     for world in (2, 4):
         path = out / f"burst_cost_{world}ranks.json"
         rounds = ["--rounds", "5"] if args.quick else []

@@ -92,6 +92,15 @@ def rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out: 
         for _ in range(args.matmuls):
             a @ b
 
+    block()  # warm-up: the matmul's code paths
+    alone = []  # the block with every other rank waiting: its length for phase_correlation
+    for r in range(world):
+        dist.barrier()
+        if r == rank:
+            for _ in range(5):
+                t0 = time.perf_counter()
+                block()
+                alone.append(time.perf_counter() - t0)
     result: dict[str, dict[str, list[float]]] = {}
     for size in args.sizes:
         shard = torch.ones(max(1, size // 4 // world))
@@ -113,15 +122,6 @@ def rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out: 
         for _ in range(3):  # warm-up: allocator, gloo's connections, the matmul's code paths
             block()
             op()
-        alone = []  # the block with every other rank waiting: its length for phase_correlation
-        for r in range(world):
-            dist.barrier()
-            if r == rank:
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    block()
-                    alone.append(time.perf_counter() - t0)
-        dist.barrier()
         samples: dict[str, list[float]] = {"compute": [], "collective": [], "step": []}
         computing: list[list[tuple[float, float]]] = []  # per round: the step loop's blocks
 
@@ -136,9 +136,9 @@ def rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out: 
             spans: list[tuple[float, float]] = []
             samples["step"].append(loop(lambda spans=spans: (timed_block(spans), op())))
             computing.append(spans)
-        result[str(size)] = {**samples, "computing": computing,
-                             "block_alone_s": statistics.median(alone)}
+        result[str(size)] = {**samples, "computing": computing}
     Path(f"{out}.{rank}").write_text(json.dumps({"rank": rank, "threads": threads,
+                                                 "block_alone_s": statistics.median(alone),
                                                  "samples": result}))
     dist.destroy_process_group()
 
@@ -174,8 +174,7 @@ def main() -> None:
     rho = statistics.median(
         phase_correlation([r["samples"][str(size)]["computing"][k] for r in ranks])
         for size in args.sizes for k in range(args.rounds)) if args.world > 2 else None
-    alone_s = statistics.median(r["samples"][str(size)]["block_alone_s"]
-                                for r in ranks for size in args.sizes)
+    alone_s = statistics.median(r["block_alone_s"] for r in ranks)
     if rho is not None:
         print(f"phase correlation of the ranks' compute in the step loop: {rho:.2f} (1: they "
               f"compute in lockstep; 0: independently), between meetings {alone_s * 1e3:.3g} ms "

@@ -101,9 +101,9 @@ class ClusterSpec(_Strict):
         _paired(self, "phase_correlation", "phase_correlation_source", "how in step the ranks "
                 "sharing a CPU's cores compute, 0 to 1, benchmarks/sync_cost.py", "the file ")
         rho = self.phase_correlation
-        table = rho if isinstance(rho, dict) else {1.0: rho} if rho is not None else {}
-        if (isinstance(rho, dict) and not rho) or any(
-                not ms > 0 or not 0 <= r <= 1 for ms, r in table.items()):
+        table = rho if isinstance(rho, dict) else {1.0: rho}
+        if rho is not None and (not table or any(not ms > 0 or not 0 <= r <= 1
+                                                 for ms, r in table.items())):
             raise ValueError(f"phase_correlation {rho} is not a number from 0 to 1 or a mapping "
                              "of milliseconds of compute (> 0) to such numbers; fix: give what "
                              "benchmarks/sync_cost.py --world 4 measured (0 to 1), one value or "
