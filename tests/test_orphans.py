@@ -69,9 +69,11 @@ def start(args: list[str], cwd: Path, stdout: object = subprocess.PIPE) -> subpr
                             stdout=stdout, stderr=subprocess.PIPE, start_new_session=True)
 
 
-def kill_when(proc: subprocess.Popen[str], ready: Callable[[], bool], workers: int) -> set[int]:
-    """Once `ready()` and `workers` processes run below `proc`: SIGKILL its process group. Returns
-    the processes that ran below it."""
+def kill_when(proc: subprocess.Popen[str], ready: Callable[[], bool], workers: int,
+              group: bool = True) -> set[int]:
+    """Once `ready()` and `workers` processes run below `proc`: SIGKILL its process group (or,
+    group=False, the process alone, as the kernel's OOM killer picks one). Returns the processes
+    that ran below it."""
     deadline, below = time.monotonic() + 120, set()
     while time.monotonic() < deadline and proc.poll() is None:
         below |= descendants(proc.pid)
@@ -81,7 +83,7 @@ def kill_when(proc: subprocess.Popen[str], ready: Callable[[], bool], workers: i
     assert proc.poll() is None, f"the command ended before the kill:\n{proc.stderr.read()[-3000:]}"
     below = alive(below | descendants(proc.pid))
     assert len(below) >= workers, below
-    os.killpg(proc.pid, signal.SIGKILL)
+    (os.killpg if group else os.kill)(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)  # not its pipes: processes left below it would hold them open
     return below
 
@@ -152,6 +154,26 @@ def test_sigkill_of_dtlab_comm_kills_its_ranks(tmp_path: Path) -> None:
         below = kill_when(proc, lambda: len(measured(printed.read_text())) >= 2, workers=2)
     assert_gone_at_once(below)
     assert not list(out.iterdir())  # neither comm.json nor its temporary file
+
+
+def test_sigkill_of_dtlab_predict_measuring_kills_the_ranks_stepping_beside_it(tmp_path: Path) -> None:
+    """SIGKILL of `dtlab predict --measure` alone (its helpers share its process group) while a
+    process steps the node's other rank beside the measured one (predict/corun.py): that process
+    ends within seconds instead of stepping on."""
+    proc = start(["predict", "--config", str(CONFIGS / "tp_gpt.yaml"), "--world-size", "2",
+                  "--cluster", "cpu_gloo", "--measure", "--strategies", "ddp"], tmp_path)
+
+    def stepping_beside() -> bool:
+        return any("spawn_main" in cmdline(p) for p in descendants(proc.pid))
+
+    assert_gone_at_once(kill_when(proc, stepping_beside, workers=1, group=False))
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

@@ -17,6 +17,7 @@ machine-load check does not count them as other processes.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from typing import Any
 
 from dtlab.config import Config
 from dtlab.errors import DtlabError
+from dtlab.process.launcher_guard import die_with_parent
 
 READY_S = 300.0  # a helper that has not warmed up by then is broken, not slow
 
@@ -38,7 +40,11 @@ def helpers_beside(ranks_per_node: int, cores: int | None, threads: int) -> int:
 
 
 def _helper(cfg: Config, world: int, rank: int, ranks_per_node: int, threads: int,
-            warm: Any, stop: Any, cpu: Any) -> None:
+            warm: Any, stop: Any, cpu: Any, parent: int) -> None:
+    # A predict killed outright (SIGKILL, OOM) never sets `stop`: the kernel ends the helper.
+    die_with_parent()
+    if os.getppid() != parent:  # it was gone before the kernel was asked
+        return
     from dtlab.predict.trace import run_steps
 
     try:
@@ -69,7 +75,7 @@ def beside(cfg: Config, world: int, rank: int, ranks_per_node: int, threads: int
         for _ in range(count):
             warm, cpu = ctx.Event(), ctx.Value("d", 0.0)
             p = ctx.Process(target=_helper, args=(cfg, world, rank, ranks_per_node, threads,
-                                                  warm, stop, cpu), daemon=True)
+                                                  warm, stop, cpu, os.getpid()), daemon=True)
             p.start()
             helpers.append((p, warm, cpu))
         deadline = time.monotonic() + READY_S
