@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS
+from conftest import CONFIGS, unpinned
 
 from dtlab.process.launcher_guard import PID_VAR, START_VAR, launcher_env, start_time
 
@@ -160,8 +160,12 @@ def test_sigkill_of_dtlab_predict_measuring_kills_the_ranks_stepping_beside_it(t
     """SIGKILL of `dtlab predict --measure` alone (its helpers share its process group) while a
     process steps the node's other rank beside the measured one (predict/corun.py): that process
     ends within seconds instead of stepping on."""
-    proc = start(["predict", "--config", str(CONFIGS / "tp_gpt.yaml"), "--world-size", "2",
-                  "--cluster", "cpu_gloo", "--measure", "--strategies", "ddp"], tmp_path)
+    # on every core: a node of 2 ranks with 1 core has no core for a second rank to step on
+    proc = subprocess.Popen([sys.executable, "-m", "dtlab", "predict", "--config",
+                             str(CONFIGS / "tp_gpt.yaml"), "--world-size", "2", "--cluster",
+                             "cpu_gloo", "--measure", "--strategies", "ddp"], cwd=tmp_path,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, preexec_fn=unpinned)
 
     def stepping_beside() -> bool:
         return any("spawn_main" in cmdline(p) for p in descendants(proc.pid))
