@@ -390,6 +390,12 @@ def test_phase_correlation_by_compute_between_meetings() -> None:
     share = core_share(cluster, 1, 4, 4, traces, notes, compute_s)
     assert share.correlation == pytest.approx(0.1)  # 4 ms of compute a step
     assert "phase correlation 0.10 at 4 ms of compute a step (test)" in notes[0]
+    # a cluster file's long source: its first clause in the note, as the table's other sources
+    cluster.phase_correlation_source = ("measured here 20:37 with sync_cost.py: the Pearson "
+                                        "correlation of two ranks' computing, " + "x " * 100)
+    notes.clear()
+    core_share(cluster, 1, 4, 4, traces, notes, compute_s)
+    assert notes[0].endswith("a step (measured here 20:37 with sync_cost.py)")
 
 
 def test_phase_correlation_of_measured_spans(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,6 +3,7 @@ timed, and how its cores are shared among the ranks of a node (cores.py)."""
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -34,8 +35,15 @@ def core_share(cluster: Any, threads: int, ranks_per_node: int, world: int,
                      "each rank computes at its share of them while the others compute "
                      f"(up to {ranks_per_node * threads / cores:.2g}x slower than alone)"
                      + (f"; phase correlation {rho:.2f} at {per_step * 1e3:.3g} ms of compute "
-                        f"a step ({cluster.phase_correlation_source})" if share.phased else ""))
+                        f"a step ({_brief(cluster.phase_correlation_source)})"
+                        if share.phased else ""))
     return share
+
+
+def _brief(source: str) -> str:
+    """A source's first clause, as the table's other sources are shown (the whole text is in the
+    cluster file)."""
+    return textwrap.shorten(source.split(": ")[0], 120, placeholder=" [...]")
 
 
 def duty_cycle(timeline: Timeline) -> float:
