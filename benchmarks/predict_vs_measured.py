@@ -88,7 +88,11 @@ def predict_fresh(*args: Any) -> dict[str, Any]:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+    from dtlab.process.launcher_guard import die_with_parent
+
+    # die_with_parent: a benchmark stopped by a signal must not leave its predicting process
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"),
+                             initializer=die_with_parent) as pool:
         return pool.submit(predict, *args).result()
 
 
