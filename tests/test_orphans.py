@@ -46,6 +46,13 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def alive(pids: set[int]) -> set[int]:
     return {p for p in pids if start_time(p) is not None}  # None: gone, or a zombie
 
@@ -63,10 +70,12 @@ def measured(printed: str) -> list[str]:
     return [x for x in printed.splitlines() if x.strip() and not x.startswith("#")]
 
 
-def start(args: list[str], cwd: Path, stdout: object = subprocess.PIPE) -> subprocess.Popen[str]:
+def start(args: list[str], cwd: Path, stdout: object = subprocess.PIPE,
+          preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen[str]:
     """`dtlab ARGS` in a session of its own (its process group is its pid)."""
     return subprocess.Popen([sys.executable, "-m", "dtlab", *args], cwd=cwd, text=True,
-                            stdout=stdout, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=stdout, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=preexec_fn)
 
 
 def kill_when(proc: subprocess.Popen[str], ready: Callable[[], bool], workers: int,
@@ -161,23 +170,14 @@ def test_sigkill_of_dtlab_predict_measuring_kills_the_ranks_stepping_beside_it(t
     process steps the node's other rank beside the measured one (predict/corun.py): that process
     ends within seconds instead of stepping on."""
     # on every core: a node of 2 ranks with 1 core has no core for a second rank to step on
-    proc = subprocess.Popen([sys.executable, "-m", "dtlab", "predict", "--config",
-                             str(CONFIGS / "tp_gpt.yaml"), "--world-size", "2", "--cluster",
-                             "cpu_gloo", "--measure", "--strategies", "ddp"], cwd=tmp_path,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, preexec_fn=unpinned)
+    proc = start(["predict", "--config", str(CONFIGS / "tp_gpt.yaml"), "--world-size", "2",
+                  "--cluster", "cpu_gloo", "--measure", "--strategies", "ddp"], tmp_path,
+                 preexec_fn=unpinned)
 
     def stepping_beside() -> bool:
         return any("spawn_main" in cmdline(p) for p in descendants(proc.pid))
 
     assert_gone_at_once(kill_when(proc, stepping_beside, workers=1, group=False))
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return ""
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

@@ -226,18 +226,20 @@ LEGEND = ("step ms: predicted time of one optimizer step (the slowest rank, plus
 
 def sources(rows: list[dict[str, Any]], cluster: Any) -> str:
     """Where the numbers came from, once for the table."""
+    from dtlab.predict.cluster import first_clause
+
     compute = sorted({s for r in rows for s in r["sources"]["compute"]})
     tiers = sorted({t for r in rows for t in r["sources"]["comm"]})
     links = {"intra": cluster.intra, "inter": cluster.inter}
     lines = [f"compute: {'; '.join(compute) or '-'}"]
-    lines += [f"{t}-node links: {links[t].source.split(':')[0].strip()}" for t in tiers if t in links]
+    lines += [f"{t}-node links: {first_clause(links[t].source)}" for t in tiers if t in links]
     lines.append(f"peak: {rows[0]['peak_source']}")
     for what, value, source in (
             ("compute overlapping communication", cluster.overlap_slowdown,
              cluster.overlap_slowdown_source),
             ("communication overlapping compute", cluster.comm_overlap_slowdown,
              cluster.comm_overlap_slowdown_source)):
-        lines.append(f"{what}: {1 + value:.3g}x slower ({source.split(':')[0].strip()})")
+        lines.append(f"{what}: {1 + value:.3g}x slower ({first_clause(source)})")
     return "\n".join(textwrap.shorten(line, 200) for line in lines)
 
 

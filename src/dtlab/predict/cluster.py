@@ -119,6 +119,12 @@ def shipped(cluster: Cluster) -> bool:
     return cluster.path is not None and cluster.path.resolve().parent == CLUSTER_DIR
 
 
+def first_clause(source: str) -> str:
+    """What a table line shows of a number's source: up to its first ': ' (the rest is the
+    cluster file's; a time of day such as 20:37 stays whole)."""
+    return source.split(": ")[0].strip()
+
+
 def known_clusters() -> list[str]:
     return sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
 

@@ -42,9 +42,7 @@ def helpers_beside(ranks_per_node: int, cores: int | None, threads: int) -> int:
 def _helper(cfg: Config, world: int, rank: int, ranks_per_node: int, threads: int,
             warm: Any, stop: Any, cpu: Any, parent: int) -> None:
     # A predict killed outright (SIGKILL, OOM) never sets `stop`: the kernel ends the helper.
-    die_with_parent()
-    if os.getppid() != parent:  # it was gone before the kernel was asked
-        return
+    die_with_parent(parent)
     from dtlab.predict.trace import run_steps
 
     try:

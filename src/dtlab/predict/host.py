@@ -7,6 +7,7 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
+from dtlab.predict.cluster import first_clause
 from dtlab.predict.cores import CoreShare, correlation_at
 from dtlab.predict.events import Compute, Trace
 from dtlab.predict.timeline import Timeline
@@ -31,19 +32,14 @@ def core_share(cluster: Any, threads: int, ranks_per_node: int, world: int,
     rho = correlation_at(cluster.phase_correlation, per_step * 1e3)
     share = CoreShare(cores, threads, ranks_per_node, world, traces, correlation=rho)
     if ranks_per_node * threads > cores:
+        source = textwrap.shorten(first_clause(cluster.phase_correlation_source), 120,
+                                  placeholder=" [...]")
         notes.append(f"{ranks_per_node} rank(s) x {threads} thread(s) share {cores} cores: "
                      "each rank computes at its share of them while the others compute "
                      f"(up to {ranks_per_node * threads / cores:.2g}x slower than alone)"
                      + (f"; phase correlation {rho:.2f} at {per_step * 1e3:.3g} ms of compute "
-                        f"a step ({_brief(cluster.phase_correlation_source)})"
-                        if share.phased else ""))
+                        f"a step ({source})" if share.phased else ""))
     return share
-
-
-def _brief(source: str) -> str:
-    """A source's first clause, as the table's other sources are shown (the whole text is in the
-    cluster file)."""
-    return textwrap.shorten(source.split(": ")[0], 120, placeholder=" [...]")
 
 
 def duty_cycle(timeline: Timeline) -> float:

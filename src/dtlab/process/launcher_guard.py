@@ -62,12 +62,15 @@ def launching() -> Iterator[None]:
         yield
 
 
-def die_with_parent() -> None:
-    """Ask the kernel for SIGKILL when this process's parent dies (Linux; elsewhere nothing)."""
+def die_with_parent(parent: int | None = None) -> None:
+    """Ask the kernel for SIGKILL when this process's parent dies (Linux; elsewhere nothing).
+    `parent`: the pid it was started by; gone before the kernel was asked, SIGKILL now."""
     with suppress(OSError, AttributeError):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def die_with_launcher() -> None:
