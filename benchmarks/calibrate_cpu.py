@@ -5,8 +5,8 @@ call a measurement good when the load average says otherwise).
     python benchmarks/calibrate_cpu.py --out DIR [--quick]
     dtlab predict --cluster DIR/cluster.yaml ...   (or benchmarks/predict_vs_measured.py --cluster)
 
-In order, each writing its JSON into DIR (3.5 min on 2 cores on 2026-11-28; --quick: fewer
-iterations):
+In order, each writing its JSON into DIR (3.5 min on 2 cores on 2026-11-28, and about 6 for step 5; --quick:
+fewer iterations):
   1. `dtlab comm --op all` on 2 and on 4 local ranks, 4 bytes up: the links' alpha-beta fits from
      1 KiB up (smaller sizes priced as measured: LINE_FROM below); an op whose fit
      the fit's own checks refuse is left out of `fits:` (priced from all_reduce's), as cpu_gloo does
@@ -15,6 +15,11 @@ iterations):
      length of compute between two meetings (cores.py)
   3. benchmarks/burst_cost.py on 2 and 4 ranks: calls issued back to back, over the new fits' price
   4. benchmarks/overlap_slowdown.py: compute beside communication, and communication beside compute
+  5. benchmarks/predict_vs_measured.py on a model held out from its matrix ("calib": ddp, fsdp and
+     zero1 on 2 and 4 ranks, each side three times, in turn) with the file of steps 1-4: per
+     number of ranks, the median of measured over predicted, less 1, is the file's step_overhead
+     (what a real step takes beyond its simulation: gloo's threads on the ranks' cores, the
+     wrappers' waits in their hooks, Python between the operators; docs/prediction.md)
 Then DIR/cluster.yaml: the shipped cpu_gloo file with these numbers and their sources (date, load
 average, file). The peak, cores and memory stay `measure`/`machine`: read when predicting.
 """
@@ -68,6 +73,44 @@ def stamp(data: dict[str, Any], *paths: Path) -> str:
     return (f"measured on this host by benchmarks/calibrate_cpu.py on {time.strftime('%Y-%m-%d')}"
             f" ({', '.join(p.name for p in paths)}; 1-min load average {load[0]:.2f} before, "
             f"{load[-1]:.2f} after, the calibration's own earlier steps included)")
+
+
+# The held-out model's rows (benchmarks/predict_vs_measured.py: "calib"), per number of ranks
+OVERHEAD_STRATEGIES, OVERHEAD_RANKS = "ddp,fsdp,zero1", (2, 4)
+
+
+def overhead_by_ranks(rows: list[dict[str, Any]]) -> dict[int, float]:
+    """Per number of ranks, the median over the rows of measured / predicted - 1: what a real
+    step takes beyond the simulated one. Below 0 (the prediction over the runs): 0."""
+    import statistics
+
+    by: dict[int, list[float]] = {}
+    for r in rows:
+        if "error" in r:
+            by.setdefault(r["ranks"], []).append(r["measured_s"] / r["predicted_s"] - 1)
+    return {n: round(max(0.0, statistics.median(v)), 3) for n, v in sorted(by.items())}
+
+
+def step_overhead(out: Path, cluster: Path, quick: bool) -> dict[str, Any]:
+    """Step 5 (module docstring): the cluster file's step_overhead and its source."""
+    path = out / "step_overhead.json"
+    run([sys.executable, "benchmarks/predict_vs_measured.py", "--configs", "calib",
+         "--strategies", OVERHEAD_STRATEGIES, "--ranks", ",".join(map(str, OVERHEAD_RANKS)),
+         "--variants", "base", "--interleave", "--fresh", "--no-collectives",
+         *(["--runs", "2"] if quick else []), "--cluster", str(cluster), "--json", str(path)],
+        "a real step beyond its simulation, on a model held out from the matrix")
+    rows = json.loads(path.read_text())["rows"]
+    overhead = overhead_by_ranks(rows)
+    missing = [n for n in OVERHEAD_RANKS if n not in overhead]
+    if missing:
+        sys.exit(f"{path}: no row on {missing} ranks was predicted and run ("
+                 + "; ".join(r.get("skipped", "") for r in rows) + "); fix: see that file")
+    load = os.getloadavg()[0]
+    return {"step_overhead": overhead, "step_overhead_source": (
+        f"measured on this host by benchmarks/calibrate_cpu.py on {time.strftime('%Y-%m-%d')}: "
+        f"the median over {OVERHEAD_STRATEGIES} of measured / predicted - 1 on a model held out "
+        f"from benchmarks/predict_vs_measured.py's matrix ({path.name}; 1-min load average "
+        f"{load:.2f} after)")}
 
 
 def main() -> int:
@@ -159,9 +202,13 @@ def main() -> int:
     spec["overlap_slowdown_source"] = stamp(overlap, path)
     spec["comm_overlap_slowdown"] = round(overlap["comm_overlap_slowdown"], 2)
     spec["comm_overlap_slowdown_source"] = stamp(overlap, path)
-    cluster.write_text(f"# This host, measured by benchmarks/calibrate_cpu.py on "
-                       f"{time.strftime('%Y-%m-%d %H:%M')} ({os.cpu_count()} cores).\n"
-                       + yaml.safe_dump(spec, sort_keys=False, width=100))
+    header = (f"# This host, measured by benchmarks/calibrate_cpu.py on "
+              f"{time.strftime('%Y-%m-%d %H:%M')} ({os.cpu_count()} cores).\n")
+    spec.pop("step_overhead", None)
+    spec.pop("step_overhead_source", None)
+    cluster.write_text(header + yaml.safe_dump(spec, sort_keys=False, width=100))
+    spec.update(step_overhead(out, cluster, args.quick))
+    cluster.write_text(header + yaml.safe_dump(spec, sort_keys=False, width=100))
     print(f"wrote {cluster}")
     return 0
 

@@ -10,6 +10,8 @@ import pytest
 from conftest import dtlab
 from test_bad_inputs import refused
 
+from dtlab.predict.cluster import load_cluster
+
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -41,8 +43,11 @@ def test_prediction_json_has_every_number_with_its_source(workspace: Path) -> No
     assert row["samples_per_s_per_device"] == pytest.approx(row["samples_per_s"] / 2, rel=1e-9)
     assert 0 < row["mfu"] < 1 and row["peak_tflops"] > 0
     assert row["split"]["forward"] > 0 and row["split"]["backward"] > 0
-    assert sum(row["split"].values()) + sum(row["exposed_comm"].values()) == pytest.approx(
-        row["step_s"] - row["loop_s"], rel=1e-6)
+    simulated = sum(row["split"].values()) + sum(row["exposed_comm"].values())
+    assert simulated + row["overhead_s"] == pytest.approx(row["step_s"] - row["loop_s"], rel=1e-6)
+    overhead = load_cluster("cpu_gloo").overhead_for(2)  # the shipped file's, measured
+    assert overhead > 0 and row["overhead_s"] == pytest.approx(simulated * overhead, rel=1e-6)
+    assert row["sources"]["overhead"] == ["measured on this machine, quiet, 2026-11-29 04:31-04:37"]
     assert row["sources"]["compute"] and all(s.startswith("measured") for s in row["sources"]["compute"])
     assert row["memory"]["device_bytes"] > 0 and row["fits"] is True
     assert out["fastest"]["strategy"] == "ddp"

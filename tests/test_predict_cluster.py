@@ -437,3 +437,38 @@ def test_calls_issued_back_to_back_are_priced_with_the_burst_factor(tmp_path: Pa
         f"cluster file '{path}': intra gives one of burst and burst_source; fix: give both (what "
         "a call issued back to back with others costs over its price, benchmarks/burst_cost.py, "
         "and where it comes from) or neither")
+
+
+def test_step_overhead_lengthens_a_step_of_several_ranks(tmp_path: Path) -> None:
+    """A cluster's step_overhead (per number of ranks, the measurement on the most ranks up to
+    the world's) lengthens the simulated step of several ranks by that fraction, says so in the
+    row, and leaves one rank's alone; without its source, or above 1, it is one line."""
+    from dtlab.predict.core import Request, predict
+
+    measured = "step_overhead: {2: 0.1, 4: 0.25}\nstep_overhead_source: 'measured here: calib'\n"
+    c = load_cluster(write(tmp_path, H100 + measured))
+    assert [c.overhead_for(n) for n in (1, 2, 3, 4, 64)] == [0.0, 0.1, 0.1, 0.25, 0.25]
+    assert load_cluster(write(tmp_path, H100 + measured.replace("{2: 0.1, 4: 0.25}", "0.2"))
+                        ).step_overhead == {2: 0.2}
+    plain = load_cluster("h100_sxm_8x")
+    assert plain.overhead_for(8) == 0.0
+    for world, fraction in ((2, 0.1), (1, 0.0)):
+        base = predict(Request(None, [], world, world, plain), "ddp")
+        row = predict(Request(None, [], world, world, c), "ddp")
+        assert row["step_s"] == pytest.approx(base["step_s"] * (1 + fraction), rel=1e-12)
+        assert row["overhead_s"] == pytest.approx(base["step_s"] * fraction, rel=1e-12)
+        assert row["sources"].get("overhead") == (["measured here"] if fraction else None)
+        assert base["overhead_s"] == 0 and "overhead" not in base["sources"]
+    for text, message in (
+            ("step_overhead: 0.1\n", "the file gives one of step_overhead and "
+             "step_overhead_source; fix: give both (what a real step of that many ranks takes "
+             "beyond the simulated one, benchmarks/calibrate_cpu.py, and where it comes from) "
+             "or neither"),
+            ("step_overhead: 1.5\nstep_overhead_source: a guess\n",
+             "step_overhead: Input should be less than or equal to 1 or a valid dictionary "
+             "(got 1.5); fix: set step_overhead to a valid value (see "
+             "configs/clusters/h100_sxm_8x.yaml)")):
+        path = write(tmp_path, H100 + text)
+        with pytest.raises(ConfigError) as e:
+            load_cluster(path)
+        assert one_line(e) == f"cluster file '{path}': {message}"

@@ -217,8 +217,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     return text_table(shown, list(shown[0]))
 
 
-LEGEND = ("step ms: predicted time of one optimizer step (the slowest rank, plus dtlab's own "
-          "loop when measured here; '!': measured on a loaded machine, see its note); fwd/bwd/recomp/optim: "
+LEGEND = ("step ms: predicted time of one optimizer step (the slowest rank, plus the cluster's "
+          "measured overhead of a real step beyond its simulation, and dtlab's own loop when "
+          "measured here; '!': measured on a loaded machine, see its note); fwd/bwd/recomp/optim: "
           "that rank's compute by phase, ms; comm exposed: communication the compute waited for "
           "(the rest overlapped); bubble: pipeline stages idle; MFU: model FLOPs per second per "
           "device over the cluster's peak; GB/rank: dtlab estimate's memory at the peak")
@@ -240,6 +241,9 @@ def sources(rows: list[dict[str, Any]], cluster: Any) -> str:
             ("communication overlapping compute", cluster.comm_overlap_slowdown,
              cluster.comm_overlap_slowdown_source)):
         lines.append(f"{what}: {1 + value:.3g}x slower ({first_clause(source)})")
+    if overhead := cluster.overhead_for(rows[0]["world_size"]):
+        lines.append(f"a real step of {rows[0]['world_size']} ranks beyond its simulation: "
+                     f"+{100 * overhead:.3g}% ({first_clause(cluster.step_overhead_source)})")
     return "\n".join(textwrap.shorten(line, 200) for line in lines)
 
 

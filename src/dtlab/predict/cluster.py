@@ -106,11 +106,21 @@ class Cluster:
     # meetings (cores.py)
     phase_correlation: float | dict[float, float] = 1.0
     phase_correlation_source: str = "lockstep: every rank computes when the traced ones do"
+    # per number of ranks: a real step's time beyond the simulated step's, as a fraction of it
+    step_overhead: dict[int, float] | None = None
+    step_overhead_source: str = ""
     notes: str = ""
     memory_source: str = ""
     hbm_source: str = ""
     compute_efficiency_source: str = ""
     path: Path | None = None
+
+    def overhead_for(self, world: int) -> float:
+        """What a real step of `world` ranks takes beyond the simulated one, as a fraction of
+        it (0: one rank, or not measured), from the measurement on the most ranks up to world."""
+        if world < 2 or not self.step_overhead:
+            return 0.0
+        return self.step_overhead[_nearest_below(self.step_overhead, world)]
 
 
 # --------------------------------------------------------------------------------- loading
@@ -180,6 +190,10 @@ def load_cluster(name_or_path: str) -> Cluster:
         **({"phase_correlation": spec.phase_correlation,
             "phase_correlation_source": spec.phase_correlation_source}
            if spec.phase_correlation is not None else {}),
+        **({"step_overhead": (spec.step_overhead if isinstance(spec.step_overhead, dict)
+                              else {2: spec.step_overhead}),
+            "step_overhead_source": spec.step_overhead_source or ""}
+           if spec.step_overhead is not None else {}),
         notes=spec.notes, path=path)
 
 

@@ -18,6 +18,7 @@ _Positive = Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)]
 _NonNegative = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False)]
 _Source = Annotated[str, Field(min_length=1, strict=True)]
 _Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+_Fraction = Annotated[float, Field(ge=0, le=1, strict=True, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
@@ -92,6 +93,9 @@ class ClusterSpec(_Strict):
     # one value, or {ms of compute between two meetings of the ranks: value} as measured
     phase_correlation: _Number | dict[float, _Number] | None = None
     phase_correlation_source: _Source | None = None
+    # per number of ranks: what a real step takes beyond the simulated one, as a fraction of it
+    step_overhead: _Fraction | dict[Annotated[int, Field(ge=2)], _Fraction] | None = None
+    step_overhead_source: _Source | None = None
     intra: LinkSpec
     inter: LinkSpec
     notes: str = ""
@@ -108,6 +112,8 @@ class ClusterSpec(_Strict):
                              "of milliseconds of compute (> 0) to such numbers; fix: give what "
                              "benchmarks/sync_cost.py --world 4 measured (0 to 1), one value or "
                              "one per --matmuls")
+        _paired(self, "step_overhead", "step_overhead_source", "what a real step of that many "
+                "ranks takes beyond the simulated one, benchmarks/calibrate_cpu.py", "the file ")
         if self.phase_correlation is not None and self.cores is None:
             raise ValueError("the file gives phase_correlation without cores; fix: remove it "
                              "(it is how ranks share a CPU host's cores) or set cores")
@@ -161,7 +167,8 @@ def _key_of(loc: tuple[Any, ...]) -> str:
 
 def _is_union_member(part: str) -> bool:
     """pydantic names the member of a union it tried: 'float', "literal['machine']", 'int'."""
-    return part in ("float", "int", "str", "none") or part.startswith(("literal[", "constrained-"))
+    return part in ("float", "int", "str", "none") or part.startswith(("literal[", "constrained-",
+                                                                         "dict["))
 
 
 def _spec_at(loc: list[str]) -> type[BaseModel] | None:

@@ -21,6 +21,7 @@ from typing import Any
 from dtlab.config import Config
 from dtlab.config.strategies import registry
 from dtlab.errors import ConfigError
+from dtlab.predict.cluster import first_clause
 from dtlab.predict.events import Compute, Issue, Trace
 from dtlab.predict.host import core_share, load_probe, machine_loaded, simulate_shared
 from dtlab.predict.profile import Profile
@@ -189,7 +190,11 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
         traces, compute_s, comm_s, req.cluster.overlap_slowdown, cores=share,
         comm_slowdown=req.cluster.comm_overlap_slowdown,
         lanes=req.cluster.collectives_at_once), cores)
-    step_s = timeline.step_s + req.loop_s
+    # A real step of several ranks beyond its simulation (the cluster's measurement, if any)
+    overhead_s = timeline.step_s * req.cluster.overhead_for(req.world)
+    if overhead_s:
+        sources["overhead"] = {first_clause(req.cluster.step_overhead_source)}
+    step_s = timeline.step_s + overhead_s + req.loop_s
     spec = spec_for(cfg)
     samples = cfg.train.global_batch_size / step_s
     flops = model_flops(cfg)
@@ -202,7 +207,8 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
         "mfu": mfu, "peak_tflops": peak, "peak_source": peak_source,
         "model_flops_per_step": flops,
         "split": dict(timeline.split), "exposed_comm": dict(timeline.exposed),
-        "comm_busy": dict(timeline.busy), "loop_s": req.loop_s, "traced_on": device,
+        "comm_busy": dict(timeline.busy), "overhead_s": overhead_s, "loop_s": req.loop_s,
+        "traced_on": device,
         "sources": {k: sorted(v) for k, v in sources.items()}, "notes": notes,
         "unreliable": loaded is not None}
     if tokens := row["tokens_per_s"]:
