@@ -190,11 +190,15 @@ def load_cluster(name_or_path: str) -> Cluster:
         **({"phase_correlation": spec.phase_correlation,
             "phase_correlation_source": spec.phase_correlation_source}
            if spec.phase_correlation is not None else {}),
-        **({"step_overhead": (spec.step_overhead if isinstance(spec.step_overhead, dict)
-                              else {2: spec.step_overhead}),
+        **({"step_overhead": _per_ranks(spec.step_overhead),
             "step_overhead_source": spec.step_overhead_source or ""}
            if spec.step_overhead is not None else {}),
         notes=spec.notes, path=path)
+
+
+def _per_ranks(value: float | dict[int, float]) -> dict[int, float]:
+    """A number measured per number of ranks: one value (measured on 2 ranks) or the mapping."""
+    return dict(value) if isinstance(value, dict) else {2: value}
 
 
 def _memory_bytes(memory_gb: float | str, path: Path) -> int:
@@ -241,8 +245,7 @@ def _beyond_price(spec: LinkSpec) -> dict[str, Any]:
     """The link's costs beyond its price: sync (inside a step), burst (back to back)."""
     out: dict[str, Any] = {}
     if spec.sync_us is not None:
-        by_ranks = spec.sync_us if isinstance(spec.sync_us, dict) else {2: spec.sync_us}
-        out.update(sync_s={n: us * 1e-6 for n, us in by_ranks.items()},
+        out.update(sync_s={n: us * 1e-6 for n, us in _per_ranks(spec.sync_us).items()},
                    sync_source=spec.sync_source or "")
     if spec.burst is not None:
         out.update(burst={op: dict(f) for op, f in spec.burst.items()},

@@ -112,11 +112,16 @@ class ClusterSpec(_Strict):
                              "of milliseconds of compute (> 0) to such numbers; fix: give what "
                              "benchmarks/sync_cost.py --world 4 measured (0 to 1), one value or "
                              "one per --matmuls")
-        _paired(self, "step_overhead", "step_overhead_source", "what a real step of that many "
-                "ranks takes beyond the simulated one, benchmarks/calibrate_cpu.py", "the file ")
         if self.phase_correlation is not None and self.cores is None:
             raise ValueError("the file gives phase_correlation without cores; fix: remove it "
                              "(it is how ranks share a CPU host's cores) or set cores")
+        return self
+
+
+    @model_validator(mode="after")
+    def _overhead_sourced(self) -> ClusterSpec:
+        _paired(self, "step_overhead", "step_overhead_source", "what a real step of that many "
+                "ranks takes beyond the simulated one, benchmarks/calibrate_cpu.py", "the file ")
         return self
 
 
