@@ -212,6 +212,32 @@ def test_the_directory_watch_tells_deleted_from_replaced(tmp_path: Path) -> None
     assert watch.problem() == "was replaced by another directory" and not watch.intact()
 
 
+def test_a_checkpoint_whose_directory_is_deleted_while_it_is_written_makes_nothing_again(
+        tmp_path: Path) -> None:
+    """The shards of a checkpoint go into the directory dtlab made; if the run directory is
+    deleted between that and DCP's write, the write fails instead of making the run directory
+    again (DCP's own writer makes every missing parent: the run then saw its directory
+    "replaced", and a deleted run directory came back with a checkpoint in it)."""
+    import torch
+
+    from dtlab.run.checkpoint import shard_writer
+
+    run = tmp_path / "run"
+    tmp = run / "checkpoints" / ".tmp-step_000005"
+    tmp.mkdir(parents=True)
+    shutil.rmtree(run)  # after dtlab made the directory, before DCP writes into it
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    with pytest.raises(CheckpointException) as failed:
+        dcp.save({"w": torch.ones(4)}, storage_writer=shard_writer(tmp))
+    assert "No such file or directory" in str(failed.value), failed.value
+    assert not run.exists()
+    tmp.mkdir(parents=True)  # and where the directory is there, the shards land in it
+    dcp.save({"w": torch.ones(4)}, storage_writer=shard_writer(tmp))
+    assert sorted(p.name for p in tmp.iterdir()) == [".metadata", "__0_0.distcp"]
+
+
 def test_a_run_directory_deleted_under_2_ranks_stops_both(tmp_path: Path) -> None:
     """The run directory deleted under 2 ddp ranks: both stop at the same step (one agreement), exit 1, rank 0's one line, no hang, nothing recreated."""
     run = tmp_path / "run"

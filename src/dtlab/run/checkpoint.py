@@ -87,6 +87,23 @@ def _safe_reader() -> type:
     return SafeReader
 
 
+def shard_writer(directory: Path) -> Any:
+    """DCP's FileSystemWriter into `directory`, which must exist: it makes no missing parent.
+    DCP's own makes them all, so a run directory deleted while a checkpoint is written would
+    come back, holding that checkpoint; this write fails instead, and the run says the
+    directory was deleted."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class ExistingParents(FileSystem):
+        def mkdir(self, path: str | os.PathLike) -> None:
+            Path(path).mkdir(exist_ok=True)
+
+    writer = FileSystemWriter(str(directory))
+    writer.fs = ExistingParents()
+    return writer
+
+
 # ------------------------------------------------------------------------------------ manifest
 def sha256(path: Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
@@ -239,7 +256,7 @@ def save(run_dir: Path, step: int, tensors: dict[str, Any], manifest: dict[str, 
     def write_shards() -> None:
         with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(tensors, checkpoint_id=str(tmp))
+            dcp.save(tensors, storage_writer=shard_writer(tmp))
         (tmp / f"rng_rank{ctx.rank}.json").write_text(json.dumps(_rng_state(ctx.device)))
 
     error = attempt(write_shards, ctx.rank)
