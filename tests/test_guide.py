@@ -95,7 +95,11 @@ def check_ddp(w: Path, out: dict[str, str]) -> None:
     runs = w / "runs/guide"
     ref = step_losses(runs / "single")
     assert ref[-1] == pytest.approx(0.891529, rel=LOSS_REL)
+    # torchrun --standalone by hand: the same run as dtlab's launcher (tests/test_launch.py has
+    # the srun-style path; this is the torchrun one)
     assert step_losses(runs / "ddp") == step_losses(runs / "ddp-torchrun")
+    by_hand = summary(w, "runs/guide/ddp-torchrun")
+    assert (by_hand["launcher"], by_hand["world_size"]) == ("torchrun", 2)
     assert max_rel_dev(step_losses(runs / "ddp"), ref) < PARITY
     used, acc, own = usage_and_acc(w, "runs/guide/ddp")
     assert (used["samples_processed"], used["min_uses_of_one_sample"],
@@ -149,6 +153,10 @@ def check_failure_modes(w: Path, out: dict[str, str]) -> None:
     assert "steps lost since that checkpoint: 6" in output_of(out, "runs/guide/killed", "train.max_steps=40 train.checkpoint_every=10 run.dir")
     restarted = summary(w, "runs/guide/restarted")
     killed = summary(w, "runs/guide/killed")
+    # torch elastic's own restart: the kill at step 27 loses the 6 steps since step 20's
+    # checkpoint, no more (tests/test_reliability.py covers resume=auto and corrupt checkpoints)
+    for resumed in (restarted, killed):
+        assert (resumed["resumed_from"]["step"], resumed["resumed_from"]["lost_steps"]) == (20, 6)
     assert restarted["final_train_loss"] == killed["final_train_loss"]
     assert step_losses(w / "runs/guide/restarted") == step_losses(w / "runs/guide/killed")
     assert "Received data size doesn't match expected size" in output_of(out, "lab.uneven_eval")

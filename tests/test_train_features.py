@@ -112,12 +112,6 @@ def test_compile_keeps_the_losses(session_dir: Path) -> None:
     assert max_rel_dev(step_losses(run), step_losses(eager)) < TOL
 
 
-def test_synthetic_data_is_learnable(session_dir: Path) -> None:
-    run = session_dir / "learn"
-    summary = train(run, "train.max_steps=200")
-    assert summary["val_acc"] > 0.4  # chance is 0.1
-
-
 def test_run_writes_metrics_summary_and_config(reference: Path) -> None:
     summary = json.loads((reference / "summary.json").read_text())
     for key in ("strategy", "world_size", "backend", "device", "model", "n_params",
