@@ -219,6 +219,8 @@ def test_a_checkpoint_whose_directory_is_deleted_while_it_is_written_makes_nothi
     again (DCP's own writer makes every missing parent: the run then saw its directory
     "replaced", and a deleted run directory came back with a checkpoint in it)."""
     import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     from dtlab.run.checkpoint import shard_writer
 
@@ -226,9 +228,6 @@ def test_a_checkpoint_whose_directory_is_deleted_while_it_is_written_makes_nothi
     tmp = run / "checkpoints" / ".tmp-step_000005"
     tmp.mkdir(parents=True)
     shutil.rmtree(run)  # after dtlab made the directory, before DCP writes into it
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
     with pytest.raises(CheckpointException) as failed:
         dcp.save({"w": torch.ones(4)}, storage_writer=shard_writer(tmp))
     assert "No such file or directory" in str(failed.value), failed.value
