@@ -170,7 +170,7 @@ def test_sigkill_of_dtlab_predict_measuring_kills_the_ranks_stepping_beside_it(t
     process steps the node's other rank beside the measured one (predict/corun.py): that process
     ends within seconds instead of stepping on."""
     # on every core: a node of 2 ranks with 1 core has no core for a second rank to step on
-    proc = start(["predict", "--config", str(CONFIGS / "tp_gpt.yaml"), "--world-size", "2",
+    proc = start(["predict", "--config", str(CONFIGS / "quick.yaml"), "--world-size", "2",
                   "--cluster", "cpu_gloo", "--measure", "--strategies", "ddp"], tmp_path,
                  preexec_fn=unpinned)
 
