@@ -117,7 +117,6 @@ class ClusterSpec(_Strict):
                              "(it is how ranks share a CPU host's cores) or set cores")
         return self
 
-
     @model_validator(mode="after")
     def _overhead_sourced(self) -> ClusterSpec:
         _paired(self, "step_overhead", "step_overhead_source", "what a real step of that many "
