@@ -100,6 +100,7 @@ def check_ddp(w: Path, out: dict[str, str]) -> None:
     assert step_losses(runs / "ddp") == step_losses(runs / "ddp-torchrun")
     by_hand = summary(w, "runs/guide/ddp-torchrun")
     assert (by_hand["launcher"], by_hand["world_size"]) == ("torchrun", 2)
+    assert by_hand["threads_per_rank"] == summary(w, "runs/guide/ddp")["threads_per_rank"]
     assert max_rel_dev(step_losses(runs / "ddp"), ref) < PARITY
     used, acc, own = usage_and_acc(w, "runs/guide/ddp")
     assert (used["samples_processed"], used["min_uses_of_one_sample"],
