@@ -328,12 +328,9 @@ COST = {"slurm": 200, "guide-11-predict.md": 60, "test_signals": 105, "guide-05-
         "test_doctor": 9, "test_channels_last": 8, "test_config": 8, "test_hsdp": 8,
         "test_bad_inputs_audit2": 8, "test_tp_hf": 8, "test_predict_cli": 28,
         "test_sample_ranks": 6, "test_deepspeed_checkpoint": 6, "guide-01-single.md": 6,
-        "test_bad_inputs": 6,
-        # ~35 s, but started last (cost 0): its first test waits for the async_io build that
-        # .ci/run starts beside the suite (~3 min of CPU), which is done by then
-        "test_nvme_offload": 0}
-# Modules whose tests are each a group of their own: the last ones, so that their two 12-s
-# trainings end the suite on two workers instead of one after the other on one
+        "test_bad_inputs": 6}
+# Modules whose tests are each a group of their own: where the async_io op is built (make
+# test-nvme), NVMe offload's two 12-s trainings run on two workers instead of one after the other
 SPLIT = {"test_nvme_offload"}
 
 
