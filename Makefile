@@ -24,8 +24,8 @@ venv: $(STAMP)
 # that imports the CLI and the loop, measured with farm-bench: 1.98 s against 2.13 s). Left out:
 # what no dtlab process imports, a fifth of the files and 40% of the time (31 s against 18 s on 2
 # cores): transformers' model families but the ones dtlab and its tests build (one imported
-# later is compiled then), and packages that only the extras' dependencies bring.
-COMPILE_SKIP := /transformers/models/(?!(auto|llama|gpt2|bert|bloom|qwen3|gemma2|encoder_decoder)/)|/(sklearn|databricks|pyarrow|fontTools|narwhals|graphql|graphene|playwright/driver)/
+# later is compiled then), packages that only the extras' dependencies bring, packages' own tests.
+COMPILE_SKIP := /transformers/models/(?!(auto|llama|gpt2|bert|bloom|qwen3|gemma2|encoder_decoder)/)|/(sklearn|databricks|pyarrow|fontTools|narwhals|graphql|graphene|playwright/driver|tests)/
 $(STAMP): pyproject.toml Makefile
 	grep -qs '^include-system-site-packages = false' $(VENV)/pyvenv.cfg || { rm -rf $(VENV); $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install -q --no-compile "$(TORCH_PIN)" -e '.[dev,deepspeed,mlflow,wandb,tensorboard]'

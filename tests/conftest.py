@@ -320,7 +320,7 @@ GROUPS = {"test_report_browser": "sweep", "test_sweep": "sweep", "test_slurm": "
 COST = {"slurm": 200, "guide-11-predict.md": 60, "test_signals": 105, "guide-05-model-parallel.md": 97,
         "test_train_features": 90, "guide-08-failure-modes.md": 88, "guide-02-ddp.md": 77,
         "guide-03-fsdp.md": 74, "test_zero": 74, "test_orphans": 69, "test_predict_trace": 61,
-        "test_reliability": 61, "test_hf": 55, "sweep": 47, "test_estimate": 46, "test_launch": 46,
+        "test_reliability": 61, "test_hf": 55, "sweep": 47, "test_estimate": 46, "test_launch": 8,
         "guide-09-levers.md": 34, "test_model_parallel": 29, "test_trackers": 28,
         "guide-07-communication.md": 28, "test_activation_checkpoint": 28, "test_ddp_hooks": 28,
         "guide-10-your-own-model.md": 26, "guide-04-zero.md": 25, "test_predict_collectives": 22,

@@ -11,7 +11,7 @@ a rank fails the others are stopped (SIGTERM, then SIGKILL) and the exit code is
 dtlab's own `launch.report_failures`, as `dtlab train` does after torch elastic.
 
 Launcher behaviour itself (elastic restarts, the agent's rendezvous, torchrun, SLURM) is tested
-through the real commands: tests/test_launch.py, tests/test_reliability.py, the guide.
+through the real commands: tests/test_reliability.py, tests/test_slurm.py, the guide.
 """
 
 from __future__ import annotations

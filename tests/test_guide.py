@@ -95,8 +95,7 @@ def check_ddp(w: Path, out: dict[str, str]) -> None:
     runs = w / "runs/guide"
     ref = step_losses(runs / "single")
     assert ref[-1] == pytest.approx(0.891529, rel=LOSS_REL)
-    # torchrun --standalone by hand: the same run as dtlab's launcher (tests/test_launch.py has
-    # the srun-style path; this is the torchrun one)
+    # torchrun --standalone by hand: the same run as dtlab's launcher (chapter 06 has srun's)
     assert step_losses(runs / "ddp") == step_losses(runs / "ddp-torchrun")
     by_hand = summary(w, "runs/guide/ddp-torchrun")
     assert (by_hand["launcher"], by_hand["world_size"]) == ("torchrun", 2)

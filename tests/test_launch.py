@@ -1,55 +1,23 @@
-"""Launch paths: `dtlab train` against srun-style SLURM variables, and timeouts. (torchrun by hand
-gives the run `dtlab train` gives: guide chapter 02, tests/test_guide.py.)"""
+"""Launch paths: timeouts. (torchrun by hand gives the run `dtlab train` gives: guide chapter 02;
+srun's tasks, with SLURM's variables, the same losses: chapter 06, which runs them under a real
+SLURM, and tests/test_slurm.py; tests/test_guide.py checks both.)"""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import pytest
-from conftest import ROOT, dtlab, free_port, in_process, step_losses
+from conftest import in_process
 
 from dtlab.process.launch import launch
-
-STEPS = "train.max_steps=8"
-
-
-@pytest.fixture(scope="module")
-def via_dtlab(session_dir: Path) -> Path:
-    run = session_dir / "launch-dtlab"  # the real command (its torch elastic agent in this process)
-    proc = dtlab("train", "--nproc-per-node", "2", "strategy.name=ddp", STEPS, f"run.dir={run}",
-                 "run.log_every=1", "run.progress=false")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
 
 
 def worker_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "RANK", "LOCAL_", "WORLD_", "MASTER_", "TORCHELASTIC"))}
     return {**env, **extra}
-
-
-def test_srun_style_variables_give_the_same_losses(via_dtlab: Path, session_dir: Path) -> None:
-    run = session_dir / "launch-slurm"
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "dtlab.train", "strategy.name=ddp", STEPS, f"run.dir={run}",
-             "run.log_every=1", "run.progress=false"],
-            env=worker_env(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r),
-                           SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost",
-                           SLURM_NTASKS_PER_NODE="2", SLURM_JOB_ID="4242", MASTER_PORT=port),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-        for r in range(2)
-    ]
-    outputs = [p.communicate(timeout=240) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    assert step_losses(run) == step_losses(via_dtlab)
-    assert json.loads((run / "summary.json").read_text())["launcher"] == "slurm"
 
 
 HANG_WORKER = """

@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -250,28 +247,6 @@ def test_a_run_directory_deleted_under_2_ranks_stops_both(tmp_path: Path) -> Non
     pattern = GONE.format(rank=r"\[rank 0\] ", run=re.escape(str(run)), what="was deleted")
     assert len(lines) == 1 and re.fullmatch(pattern, lines[0]), proc.stderr[-2000:]
     assert not run.exists()
-
-
-def test_compare_stopped_by_sigterm_says_that_running_it_again_starts_over(tmp_path: Path) -> None:
-    """SIGTERM to `dtlab compare`: the stopped strategy's one line says compare does not resume (not "resume=auto continues from it")."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dtlab", "compare", "--strategies", "single", "--out",
-         str(tmp_path / "c"), *TINY, "train.max_steps=3000", "train.checkpoint_every=1000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    progress, deadline = tmp_path / "c" / "single" / "progress", time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if int(progress.read_text().split()[0]) >= 3:
-                break
-        except (OSError, ValueError, IndexError):
-            time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    lines = errors(subprocess.CompletedProcess([], proc.returncode, out, err), 143)
-    said = re.fullmatch(r"dtlab: interrupted by SIGTERM at step (\d+); saved checkpoint step \1; "
-                        r"compare does not resume: run again, it trains every strategy anew",
-                        lines[0])
-    assert len(lines) == 1 and said, lines
 
 
 def test_the_sweeps_stop_hint_repeats_every_option_it_needs() -> None:

@@ -130,13 +130,16 @@ def test_the_checkpoint_signal_saves_and_stops_2_ranks(tmp_path: Path) -> None:
                          ids=["SIGINT-ddp", "SIGTERM-single"])
 def test_signal_to_compare_stops_the_running_strategy(tmp_path: Path, sig: signal.Signals,
                                                       strategy: str) -> None:
-    """A signal to `dtlab compare` reaches the running strategy's processes: its one line, compare's exit 130/143, no table, nothing left."""
+    """A signal to `dtlab compare` reaches the running strategy's processes: its one line, compare's exit 130/143, no table, nothing left; the line says that compare does not resume the checkpoint it saved (not "resume=auto continues from it")."""
     proc, groups = interrupt_at(["compare", "--strategies", strategy, "--out", str(tmp_path / "c"),
                                  f"train.max_steps={STEPS}", "train.checkpoint_every=1000"],
                                 f"c/{strategy}/progress", sig, tmp_path)
     # compare, its `dtlab train` and, on 2 ranks, torch elastic's 2 workers
     where = assert_stopped(proc, groups, sig, processes=4 if strategy == "ddp" else 2)
     assert where[2] == ("saved" if sig == signal.SIGTERM else None), proc.stderr
+    if sig == signal.SIGTERM:
+        assert where[1] == where[3] and proc.stderr.strip().endswith(
+            "; compare does not resume: run again, it trains every strategy anew"), proc.stderr
     assert not (tmp_path / "c" / "compare.csv").exists()  # no table from a stopped comparison
 
 
