@@ -4,6 +4,7 @@ needed), start runs on real ranks (tests/ranks.py), read what a run wrote; the x
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import inspect
 import io
 import json
@@ -31,6 +32,13 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 ALL_CPUS = frozenset(os.sched_getaffinity(0))  # before pinning: what daemons the suite starts get
+
+
+def needs(module: str) -> pytest.MarkDecorator:
+    """Skip where an optional extra is not installed: found, not imported (pytest.importorskip
+    would import deepspeed, peft and transformers in every worker while it collects, ~3 s each)."""
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
+                              reason=f"{module} not installed (make test installs it)")
 
 
 def unpinned() -> None:

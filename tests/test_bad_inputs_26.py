@@ -14,10 +14,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS
+from conftest import CONFIGS, needs
 from test_bad_inputs import refused
 
-transformers = pytest.importorskip("transformers")
+pytestmark = needs("transformers")
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -47,6 +47,7 @@ def split_in_two_shards_and_lose_one(d: Path) -> None:
 def hf_dirs(root: Path) -> None:
     """llama: a good directory; the others: a copy with one thing wrong."""
     import torch
+    import transformers
 
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).save_pretrained(root / "llama")

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import ranks
 import torch
-from conftest import dtlab, step_losses, train
+from conftest import dtlab, needs, step_losses, train
 from safetensors.torch import load_file
 
 from dtlab.run.checkpoint import MANIFEST, _safe_reader, dcp_load
 
-pytest.importorskip("deepspeed")
+pytestmark = needs("deepspeed")
 
 STAGES = (1, 2, 3)
 STEPS, MID = 6, 3

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import dtlab, fast_launches, max_rel_dev, step_losses, train
+from conftest import dtlab, fast_launches, max_rel_dev, needs, step_losses, train
 
 from dtlab.cli.compare import param_deviation
 from dtlab.config import load_config
 from dtlab.errors import ConfigError
 
-transformers = pytest.importorskip("transformers")
+pytestmark = needs("transformers")
 
 STEPS = 8
 TOL = 1e-4  # as for dtlab's GPT (test_model_parallel.py)
@@ -84,6 +84,8 @@ def test_activation_checkpointing_keeps_the_losses(llama: Path, tmp_path: Path) 
 
 def test_weights_come_from_a_local_directory(tmp_path: Path) -> None:
     """model.hf.path: the directory's weights, not a fresh initialisation."""
+    import transformers
+
     from dtlab.data import spec_for
     from dtlab.models import build_model
     from dtlab.models.hf import hf_config
@@ -122,7 +124,7 @@ def test_weights_come_from_a_local_directory(tmp_path: Path) -> None:
 ])
 def test_bad_models_are_one_line(overrides: list[str], message: str, tmp_path: Path,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import huggingface_hub
+    import huggingface_hub.constants
 
     # no hub here: offline answers at once (HF_HUB_OFFLINE is read when the hub is imported)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
@@ -171,6 +173,8 @@ def test_export_loads_in_transformers_and_trains_again(tmp_path: Path) -> None:
     """A model.name=hf checkpoint exported with --format hf: transformers loads it with its own
     class and computes the checkpoint's logits; model.hf.path pointing at it trains on from
     those weights (its first loss is the checkpoint's next one)."""
+    import transformers
+
     from dtlab.text.export import checkpoint_model
 
     train(tmp_path / "run", *LLAMA, *TRAIN, "train.max_steps=4", "train.checkpoint_every=4")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import dtlab, fast_launches, max_rel_dev, step_losses, train
+from conftest import dtlab, fast_launches, max_rel_dev, needs, step_losses, train
 from safetensors.torch import load_file
 
 from dtlab.cli.compare import param_deviation
@@ -18,7 +18,7 @@ from dtlab.config import load_config
 from dtlab.data import spec_for
 from dtlab.models import build_model
 
-pytest.importorskip("peft")
+pytestmark = needs("peft")
 from test_hf import LLAMA, TOL, TRAIN  # noqa: E402
 
 LORA = [*LLAMA, *TRAIN, "train.lora.rank=4", "train.lora.alpha=8",

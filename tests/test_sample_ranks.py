@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import ranks
-from conftest import dtlab, fast_launches, in_process
+from conftest import dtlab, fast_launches, in_process, needs
 
 from dtlab.text import sample_ranks
 
-pytest.importorskip("transformers")
+pytestmark = needs("transformers")
 
 LLAMA = ["model.name=hf", "model.hf.config.model_type=llama", "model.hf.config.vocab_size=128",
          "model.hf.config.hidden_size=64", "model.hf.config.intermediate_size=128",

@@ -11,11 +11,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import dtlab, fast_launches, max_rel_dev, step_losses, train
+from conftest import dtlab, fast_launches, max_rel_dev, needs, step_losses, train
 
 from dtlab.cli.compare import param_deviation
 
-pytest.importorskip("transformers")
+pytestmark = needs("transformers")
 
 STEPS = 3
 TOL = 1e-4  # as for dtlab's GPT under tp (test_model_parallel.py)
