@@ -5,7 +5,9 @@ The step is dtlab's (run/step.py's Stepper over the strategy's StepEngine): zero
 accumulation micro steps (gradients synchronised on the last one only), the gradient norm and the
 optimizer step. On a real device untraced `warmup` steps come first, at least two (DDP rebuilds
 its buckets in its second step's forward, with broadcasts a steady step does not make; optimizers
-create their state), then one step with FLOPs counted, and one more, timed without the counting
+create their state) and at least WARMUP_S of them (a small model's first steps are slower than its
+steady ones, as a run's first steps are, which its median leaves out), then one step with FLOPs
+counted, and one more, timed without the counting
 (its Python dispatch would inflate small kernels), whose seconds are laid on the counted step's
 Computes. On the meta device (a model too big to run here; fake_host.py) only the counted step,
 after DDP's forwards and backwards and its bucket rebuild where the strategy has DDP, and the
@@ -29,6 +31,7 @@ import ctypes
 import functools
 import os
 import statistics
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -88,6 +91,11 @@ def _signature(events: list[Event]) -> list[tuple[Any, ...]]:
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 TIMED_STEPS = int(os.environ.get("DTLAB_TIMED_STEPS", "3"))  # each stretch: the median
+# Measured here (2026-11-29): the quick CNN's compute, 7.5 ms a step timed after 2 warm-up steps
+# (8.5 ms at the first timed step, 7.1-7.4 from about the fifteenth), 7.2-7.4 ms after 15; a GPT
+# of 80 ms a step is steady after 2 (1.5% slower at the first). 0.15 s: the CNN's 15-20 steps,
+# the GPT's 2.
+WARMUP_S = 0.15
 EMPTY_S = 20e-6  # a stretch without ops shorter than this is the tracer's own bookkeeping
 
 
@@ -200,8 +208,11 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
                 for ddp_module in rebuilds:
                     ddp_module._has_rebuilt_buckets = ddp_module.reducer._rebuild_buckets()
         else:
-            for _ in range(max(2, warmup)):  # DDP rebuilds its buckets in its second forward
+            began, steps = time.perf_counter(), 0  # DDP rebuilds its buckets in its 2nd forward
+            while steps < max(2, warmup) or time.perf_counter() - began < WARMUP_S:
                 stepper(batches)
+                sync()
+                steps += 1
         RECORDER.start(timed=False, sync=sync)
         with CountingMode(fake=device == "meta"):
             stepper(batches)
