@@ -34,11 +34,13 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 ALL_CPUS = frozenset(os.sched_getaffinity(0))  # before pinning: what daemons the suite starts get
 
 
-def needs(module: str) -> pytest.MarkDecorator:
-    """Skip where an optional extra is not installed: found, not imported (pytest.importorskip
-    would import deepspeed, peft and transformers in every worker while it collects, ~3 s each)."""
+def needs(module: str, extra: str) -> pytest.MarkDecorator:
+    """Skip where the optional `extra` that brings `module` is not installed: found, not imported
+    (pytest.importorskip would import deepspeed, peft and transformers in every worker while it
+    collects, ~3 s each)."""
     return pytest.mark.skipif(importlib.util.find_spec(module) is None,
-                              reason=f"{module} not installed (make test installs it)")
+                              reason=f"{module} not installed: pip install 'dtlab[{extra}]' "
+                                     "(make test installs it)")
 
 
 def unpinned() -> None:

@@ -17,7 +17,7 @@ import pytest
 from conftest import CONFIGS, needs
 from test_bad_inputs import refused
 
-pytestmark = needs("transformers")
+pytestmark = needs("transformers", "hf")
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

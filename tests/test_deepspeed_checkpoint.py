@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from dtlab.run.checkpoint import MANIFEST, _safe_reader, dcp_load
 
-pytestmark = needs("deepspeed")
+pytestmark = needs("deepspeed", "deepspeed")
 
 STAGES = (1, 2, 3)
 STEPS, MID = 6, 3

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import ROOT, cli, dtlab, free_port
+from conftest import ROOT, cli, dtlab, free_port, needs
 
 from dtlab.comm.model import fit, predict
 from dtlab.config import load_config
@@ -124,8 +124,7 @@ RUNS = [
 # both models, bf16, optimizer and parameter offload, and gradient accumulation (ZeRO 1 holds
 # every gradient whole between micro batches, ZeRO 2 with offload per-tensor host accumulators).
 HAS_DS = importlib.util.find_spec("deepspeed") is not None
-needs_ds = pytest.mark.skipif(not HAS_DS, reason="deepspeed not installed: "
-                              "pip install 'dtlab[deepspeed]' (make test installs it)")
+needs_ds = needs("deepspeed", "deepspeed")
 DS = ["strategy.name=deepspeed"]
 DS_RUNS = [
     ("cnn-ds1", [*CNN, *DS, "strategy.deepspeed.zero_stage=1"]),

@@ -17,7 +17,7 @@ from dtlab.cli.compare import param_deviation
 from dtlab.config import load_config
 from dtlab.errors import ConfigError
 
-pytestmark = needs("transformers")
+pytestmark = needs("transformers", "hf")
 
 STEPS = 8
 TOL = 1e-4  # as for dtlab's GPT (test_model_parallel.py)

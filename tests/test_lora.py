@@ -18,7 +18,7 @@ from dtlab.config import load_config
 from dtlab.data import spec_for
 from dtlab.models import build_model
 
-pytestmark = needs("peft")
+pytestmark = needs("peft", "lora")
 from test_hf import LLAMA, TOL, TRAIN  # noqa: E402
 
 LORA = [*LLAMA, *TRAIN, "train.lora.rank=4", "train.lora.alpha=8",

@@ -21,13 +21,12 @@ from pathlib import Path
 
 import pytest
 import ranks
-from conftest import dtlab, max_rel_dev, step_losses, train
+from conftest import dtlab, max_rel_dev, needs, step_losses, train
 
 from dtlab.cli.compare import param_deviation
 
 HAS_DS = importlib.util.find_spec("deepspeed") is not None
-needs_ds = pytest.mark.skipif(not HAS_DS, reason="deepspeed not installed: "
-                              "pip install 'dtlab[deepspeed]' (make test installs it)")
+needs_ds = needs("deepspeed", "deepspeed")
 GPT = ["model.name=gpt", "model.n_layer=3", "model.n_head=4", "model.n_embd=512",
        "model.block_size=32", "model.vocab_size=256", "train.global_batch_size=4",
        "train.max_steps=3", "train.optimizer=adamw", "train.lr=1e-3", "train.precision=bf16",

@@ -20,7 +20,7 @@ from conftest import dtlab, fast_launches, in_process, needs
 
 from dtlab.text import sample_ranks
 
-pytestmark = needs("transformers")
+pytestmark = needs("transformers", "hf")
 
 LLAMA = ["model.name=hf", "model.hf.config.model_type=llama", "model.hf.config.vocab_size=128",
          "model.hf.config.hidden_size=64", "model.hf.config.intermediate_size=128",

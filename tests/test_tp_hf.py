@@ -15,7 +15,7 @@ from conftest import dtlab, fast_launches, max_rel_dev, needs, step_losses, trai
 
 from dtlab.cli.compare import param_deviation
 
-pytestmark = needs("transformers")
+pytestmark = needs("transformers", "hf")
 
 STEPS = 3
 TOL = 1e-4  # as for dtlab's GPT under tp (test_model_parallel.py)

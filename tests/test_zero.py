@@ -17,7 +17,17 @@ from pathlib import Path
 
 import pytest
 import ranks
-from conftest import CONFIGS, ROOT, dtlab, fast_launches, free_port, max_rel_dev, step_losses, train
+from conftest import (
+    CONFIGS,
+    ROOT,
+    dtlab,
+    fast_launches,
+    free_port,
+    max_rel_dev,
+    needs,
+    step_losses,
+    train,
+)
 
 from dtlab.cli.compare import param_deviation, parse_spec
 from dtlab.config import ConfigError, check_world, load_config
@@ -25,8 +35,7 @@ from dtlab.data import spec_for
 from dtlab.models import build_model
 
 HAS_DS = importlib.util.find_spec("deepspeed") is not None
-needs_ds = pytest.mark.skipif(not HAS_DS, reason="deepspeed not installed: "
-                              "pip install 'dtlab[deepspeed]' (make test installs it)")
+needs_ds = needs("deepspeed", "deepspeed")
 STEPS = 20
 TOL = 1e-5
 # Two micro batches per step and clipping that is active (the CNN's gradient norm is ~0.1-0.3).
