@@ -48,7 +48,7 @@ def test_prediction_json_has_every_number_with_its_source(workspace: Path) -> No
     overhead = load_cluster("cpu_gloo").overhead_for(2)  # the shipped file's, measured
     assert overhead > 0 and row["overhead_s"] == pytest.approx(simulated * overhead, rel=1e-6)
     assert row["sources"]["overhead"] == [
-        "measured on this machine, quiet, 2026-11-29 (2 ranks 04:31-04:37, 4 ranks 07:58-08:04)"]
+        "measured on this machine, quiet, 2026-11-29 (2 ranks 04:31-04:37, 4 ranks 11:44-11:47)"]
     assert row["sources"]["compute"] and all(s.startswith("measured") for s in row["sources"]["compute"])
     assert row["memory"]["device_bytes"] > 0 and row["fits"] is True
     assert out["fastest"]["strategy"] == "ddp"

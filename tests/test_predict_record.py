@@ -76,3 +76,25 @@ def test_pieces_are_the_chunks_fsdp2_cuts(length: int, count: int) -> None:
         assert torch.equal(a, b)
     with pytest.raises(IndexError):
         pieces[count]
+
+
+def test_a_compute_is_timed_on_the_clock_it_is_given() -> None:
+    """A Compute's seconds are its clock's (the thread's CPU clock where ranks outnumber the
+    cores, corun.cpu_clock): the stretch from the last event to the next, less the time spent
+    `outside` (the fake backend's work), on that same clock."""
+    now = {"t": 10.0}
+
+    def tick(to: float) -> None:
+        now["t"] = to
+
+    RECORDER.start(timed=True, sync=lambda: None, clock=lambda: now["t"])
+    try:
+        tick(10.25)
+        RECORDER.at("forward", 0)
+        tick(11.0)
+        RECORDER.outside(lambda: tick(11.5))
+        tick(12.0)
+    finally:
+        events = RECORDER.stop()
+    assert [(e.phase, e.block, e.seconds) for e in events] == [
+        ("other", None, 0.25), ("forward", 0, 1.25)]

@@ -195,9 +195,11 @@ def test_a_world_the_strategy_cannot_take_is_refused() -> None:
     ("hsdp", ["strategy.hsdp.shard_size=2"]),
 ])
 def test_meta_trace_issues_the_cpu_traces_collectives(spec: str, overrides: list[str]) -> None:
-    """A trace on the meta device (no weights) issues the collectives of a cpu trace, in order, with the same FLOPs per Compute and no seconds, at 4 ranks."""
+    """A trace on the meta device (no weights) issues the collectives of a cpu trace, in order, with the same FLOPs per Compute and no seconds, at 4 ranks; the cpu trace, timed on its thread's CPU clock as 4 ranks on fewer cores are, says so."""
     cfg = config(spec, *overrides)
-    cpu, meta = (trace_step(cfg, 4, 0, 4, device=d) for d in ("cpu", "meta"))
+    cpu, meta = (trace_step(cfg, 4, 0, 4, device=d, cpu_clock=True) for d in ("cpu", "meta"))
+    assert (cpu.meta["clock"], meta.meta["clock"]) == ("thread cpu", "wall")
+    assert all(c.seconds is not None and c.seconds >= 0 for c in cpu.computes())
     assert len(collectives_of(cpu)) > 1 and collectives_of(meta) == collectives_of(cpu)
     assert ([(c.phase, c.block, c.micro, c.flops) for c in meta.computes() if c.flops]
             == [(c.phase, c.block, c.micro, c.flops) for c in cpu.computes() if c.flops])

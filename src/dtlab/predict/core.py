@@ -83,17 +83,18 @@ def trace_device(req: Request, cfg: Config) -> tuple[str, str | None]:
 def traces_of(req: Request, cfg: Config, device: str) -> tuple[dict[int, Trace], float]:
     """The traced ranks' traces, and the CPU seconds of the processes that ran beside them
     (corun.py: on a CPU host, the node's other ranks)."""
-    from dtlab.predict.corun import beside, helpers_beside
+    from dtlab.predict.corun import beside, cpu_clock, helpers_beside
     from dtlab.predict.streams import with_streams
     from dtlab.predict.trace import trace_step, traced_ranks
 
     threads = req.threads or 1
     ranks = traced_ranks(cfg, req.world, req.ranks_per_node)
-    count = helpers_beside(req.ranks_per_node, req.cluster.cores, threads) \
-        if device == "cpu" and req.beside else 0
+    shared = device == "cpu" and req.beside
+    count = helpers_beside(req.ranks_per_node, req.cluster.cores, threads) if shared else 0
+    clock = shared and cpu_clock(req.ranks_per_node, req.cluster.cores, threads)
     with beside(cfg, req.world, ranks[0], req.ranks_per_node, threads, count) as helpers:
         traces = {r: trace_step(cfg, req.world, r, req.ranks_per_node, device=device,
-                                threads=threads) for r in ranks}
+                                threads=threads, cpu_clock=clock) for r in ranks}
     for t in traces.values():
         t.meta["beside"] = count
     if req.cluster.cores is None:  # a device per rank, with streams: the GPU's order of events
@@ -174,8 +175,11 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
     probe = load_probe(device)
     traces, helpers_cpu_s = traces_of(req, cfg, device)
     if count := traces[min(traces)].meta["beside"]:
+        clock = traces[min(traces)].meta.get("clock") == "thread cpu"
         notes.append(f"compute timed with {count} other process(es) stepping the same model "
-                     "beside it, as the node's other ranks share its memory in a run")
+                     "beside it, as the node's other ranks share its memory in a run"
+                     + (", on the traced thread's CPU clock (the cores' sharing is the "
+                        "simulator's)" if clock else ""))
     loaded = machine_loaded(probe, req.threads or 1, helpers_cpu_s) if probe is not None else None
     if loaded:
         notes.append(f"compute measured while {loaded}: slower than this machine's; fix: "
@@ -219,7 +223,7 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
 
 
 def profile_meta(cfg: Config, trace: Trace) -> dict[str, Any]:
-    return {**{k: trace.meta.get(k) for k in ("device", "threads", "torch", "beside")},
+    return {**{k: trace.meta.get(k) for k in ("device", "threads", "torch", "beside", "clock")},
             "dtype": cfg.train.precision, "model": cfg.model.name,
             "n_params": model_params(cfg), "model_digest": model_digest(cfg)}
 

@@ -21,9 +21,10 @@ class Recorder:
         self.on = False  # recording (set-up and untraced steps are not)
         self.timed = False  # seconds per Compute (a real device; `sync` first)
         self.sync: Callable[[], None] = lambda: None
+        self.clock: Callable[[], float] = time.perf_counter  # what a Compute's seconds are read on
         self.phase, self.block, self.micro = "other", None, 0
         self.flops = self.bytes = 0.0
-        self.started = time.perf_counter()
+        self.started = self.clock()
         self.next_id = 0
         self.issued: set[int] = set()
         self.waited: set[int] = set()
@@ -32,10 +33,13 @@ class Recorder:
         self.alone = 0  # collectives in a group of one rank (not recorded)
         self.functional = False  # inside a functional collective's kernel (counting.py)
 
-    def start(self, timed: bool, sync: Callable[[], None]) -> None:
+    def start(self, timed: bool, sync: Callable[[], None],
+              clock: Callable[[], float] = time.perf_counter) -> None:
+        """Record a step from here; `clock`: the wall clock, or the thread's CPU clock where the
+        node's ranks outnumber its cores (corun.cpu_clock)."""
         self.events, self.next_id, self.alone = [], 0, 0
         self.issued, self.waited, self.futures, self.pending = set(), set(), set(), {}
-        self.on, self.timed, self.sync = True, timed, sync
+        self.on, self.timed, self.sync, self.clock = True, timed, sync, clock
         self.phase, self.block, self.micro = "other", None, 0
         self._reset_stretch()
 
@@ -48,7 +52,7 @@ class Recorder:
         self.flops = self.bytes = 0.0
         if self.timed:
             self.sync()
-        self.started = time.perf_counter()
+        self.started = self.clock()
 
     def close(self) -> None:
         """End the current Compute stretch (every one: the counted and the timed step must have
@@ -58,7 +62,7 @@ class Recorder:
         seconds = None
         if self.timed:
             self.sync()
-            seconds = time.perf_counter() - self.started
+            seconds = self.clock() - self.started
         self.events.append(Compute(self.phase, self.block, seconds, self.flops, self.bytes,
                                    self.micro))
         self._reset_stretch()
@@ -86,13 +90,13 @@ class Recorder:
     def outside(self, fn: Callable[[], object]) -> None:
         """`fn` counted in no Compute, its seconds taken out of the current stretch: the fake
         backend's work, which a real backend does inside the collective."""
-        on, began = self.on, time.perf_counter()
+        on, began = self.on, self.clock()
         self.on = False
         try:
             fn()
         finally:
             self.on = on
-            self.started += time.perf_counter() - began
+            self.started += self.clock() - began
 
     def wait(self, issue_id: int) -> None:
         """A wait on an Issue of this trace, the first time only (later ones cost nothing)."""

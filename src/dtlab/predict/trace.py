@@ -193,8 +193,9 @@ def run_steps(cfg: Config, world: int, rank: int, ranks_per_node: int, threads: 
 
 
 def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: str = "meta",
-               threads: int = 1, warmup: int = 1) -> Trace:
-    """`rank`'s events of one step of `cfg`'s strategy at `world` ranks (module docstring)."""
+               threads: int = 1, warmup: int = 1, cpu_clock: bool = False) -> Trace:
+    """`rank`'s events of one step of `cfg`'s strategy at `world` ranks (module docstring);
+    cpu_clock: time its compute on this thread's CPU clock, not the wall's (corun.cpu_clock)."""
     with _rank_step(cfg, world, rank, ranks_per_node, device, threads) as r:
         strategy, model, optimizer, engine = r.strategy, r.model, r.optimizer, r.engine
         stepper, batches, sync, n_params, micro = r.stepper, r.batches, r.sync, r.n_params, r.micro
@@ -226,7 +227,8 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
         if device != "meta":
             timed = []
             for _ in range(TIMED_STEPS):
-                RECORDER.start(timed=True, sync=sync)
+                RECORDER.start(timed=True, sync=sync,
+                               clock=time.thread_time if cpu_clock else time.perf_counter)
                 stepper(batches)
                 RECORDER.at("other", None)
                 RECORDER.wait_all()
@@ -242,6 +244,7 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
     label = s.label_of(strategy.describe()) if s.label else s.name
     meta: dict[str, object] = {
         "strategy": label, "device": device, "dtype": cfg.train.precision, "threads": threads,
+        "clock": "thread cpu" if cpu_clock and device != "meta" else "wall",
         "world": world, "ranks_per_node": ranks_per_node, "micro_batch": micro,
         "grad_accum": cfg.train.grad_accum_steps, "torch": torch.__version__,
         "model": cfg.model.name, "n_params": n_params,
