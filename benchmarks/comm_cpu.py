@@ -1,6 +1,6 @@
-"""How many CPU-seconds does a gloo collective take from a host's cores? The cluster files'
-`cpu_us` per link (dtlab predict's floor on a step whose ranks outnumber the cores: every
-rank's compute and every call's CPU must fit on the node's cores, predict/cores.py).
+"""How many CPU-seconds does a gloo collective take from a host's cores? Not yet a term of
+dtlab predict (predict/cores.py says so): measured for the floor a node's CPU work puts under a
+step whose ranks outnumber the cores (docs/benchmarks.md, "twelfth session").
 
     python benchmarks/comm_cpu.py [--world 4] [--ops all_reduce,all_gather,...]
                                   [--sizes 4K,64K,512K,4M,16M] [--iters 20] [--rounds 3]
@@ -18,7 +18,7 @@ On a CPU a collective is work on the host's cores, not only a wait: measured her
 a 547 KB all_reduce of 4 ranks on 2 cores takes about 2 ms of CPU on each rank, half its time
 back to back. Where the ranks outnumber the cores, that CPU comes out of the compute's share.
 
-Prints the `cpu_us` block a cluster file's link takes ({ranks: {op: {bytes: us}}}).
+Prints the table and, as one line of JSON, {ranks: {op: {bytes: CPU us per call per rank}}}.
 Run it on a quiet machine: other processes' CPU is not counted, but they slow the calls.
 """
 
@@ -111,7 +111,7 @@ def main() -> None:
               f"{r['cores_busy']:>10.2f}")
     block = {args.world: {op: {r["bytes"]: round(r["cpu_us"]) for r in rows if r["op"] == op}
                           for op in args.ops}}
-    print(f"cpu_us: {json.dumps(block)}")
+    print(json.dumps(block))
     print(f"({args.world} gloo ranks, torch {torch.__version__}, {os.cpu_count()} CPUs, load "
           f"average {load_before:.2f} before, {load_after:.2f} after)")
     if args.json:

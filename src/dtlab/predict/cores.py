@@ -18,9 +18,11 @@ give it per length of the compute between two meetings of the ranks, as measured
 grows with that length (correlation_at).
 
 Not modelled: the cores that communication itself takes (gloo's threads copy and reduce on the
-CPU: the overlap slowdown of the cluster file covers the rank's own), and the memory bandwidth and
-caches that ranks on their own cores still share (measured instead: compute is timed with the
-node's other ranks running beside the traced one, predict/corun.py).
+CPU, 1-3 ms of CPU per call on 4 ranks here, benchmarks/comm_cpu.py; the overlap slowdown of the
+cluster file covers the rank's own). Measured instead of modelled: the memory bandwidth and caches
+the ranks share, and what time-slicing costs a rank's compute where they outnumber the cores
+(compute is timed with the node's other ranks beside the traced one, on its thread's CPU clock
+where they outnumber the cores: predict/corun.py).
 """
 
 from __future__ import annotations
