@@ -5,6 +5,7 @@ ranks where the ranks must agree."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import re
@@ -13,12 +14,15 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import ranks
 from conftest import dtlab
 
 from dtlab.run.checkpoint import MANIFEST
+from dtlab.run.owner import DirectoryWatch
+from dtlab.run.save_failure import SaveFailure
 
 TINY = ("model.channels=[4]", "model.hidden=8", "data.synthetic.image_size=8",
         "data.synthetic.train_samples=256", "data.synthetic.val_samples=64",
@@ -174,6 +178,26 @@ def delete_when(run: Path, step: int, replace: bool = False) -> threading.Thread
 GONE = (r"dtlab: error: {rank}run.dir '{run}' {what} during the run; it stopped after step "
         r"(\d+) and wrote nothing more; fix: leave run.dir in place while a run uses it \(to start "
         r"over, run.overwrite=true or another run.dir\)")
+
+
+@pytest.mark.parametrize("deleted", [True, False], ids=["run.dir-deleted", "a-file-missing"])
+def test_a_save_that_loses_a_file_says_whether_the_run_directory_went(tmp_path: Path,
+                                                                       deleted: bool) -> None:
+    """A checkpoint write that finds a file missing while the run directory is being deleted
+    (rmtree empties it before it removes it) says the directory was deleted, not the save's
+    ENOENT; with the directory still there after the grace, the save's own error."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    watch = DirectoryWatch(run)
+    watch.start()
+    failure = SaveFailure(run, 5, {}, SimpleNamespace(rank=0, world_size=1, is_main=True), watch)
+    if deleted:
+        threading.Timer(0.2, shutil.rmtree, args=(run,)).start()
+    line = failure.explain(FileNotFoundError(errno.ENOENT, "No such file or directory"))
+    if deleted:
+        assert line == watch.line(5, "was deleted")
+    else:
+        assert line.startswith("No such file or directory while writing checkpoint step 5 to ")
 
 
 @pytest.mark.parametrize("replace", [False, True], ids=["deleted", "replaced"])

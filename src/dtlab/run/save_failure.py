@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from dtlab.errors import PeerError, RunError
 from dtlab.run.owner import RunDirGone
 from dtlab.rundir.checkpoints import checkpoint_root, complete_checkpoints
 from dtlab.rundir.hints import intact_note
+
+GONE_GRACE_S = 2.0
 
 
 def attempt(fn: Any, rank: int = 0) -> BaseException | None:
@@ -63,7 +66,7 @@ class SaveFailure:
     def explain(self, error: BaseException) -> str:
         if isinstance(error, RunDirGone):  # it says all
             return str(error)
-        gone = self.watch.problem() if self.watch is not None else None
+        gone = self._gone(files.os_error_in(error))
         if gone:  # deleted or replaced while the checkpoint was written
             self.watch.lost = True
             return self.watch.line(self.step, gone)
@@ -93,6 +96,18 @@ class SaveFailure:
             need = f" (needs ~{needed / files.MB:.1f} MB, file-size limit {limit / files.MB:.1f} MB)"
         return (f"{files.cause(os_error)} while {doing}{need}; {intact}; "
                 f"fix: {files.fix(os_error, 'run.dir')}")
+
+    def _gone(self, os_error: OSError | None) -> str | None:
+        """How the run directory went, if it did. A file missing under it mid-save is most
+        often a deletion of the whole directory still under way (rmtree empties it first): that
+        is given GONE_GRACE_S to finish before the save's own error is reported."""
+        if self.watch is None:
+            return None
+        deadline = time.monotonic() + (GONE_GRACE_S if isinstance(os_error, FileNotFoundError)
+                                       else 0.0)
+        while (gone := self.watch.problem()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return gone
 
     def needed_bytes(self) -> int:
         """What the checkpoint takes: the previous one's size, else this rank's tensors times the
