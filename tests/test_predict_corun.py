@@ -4,7 +4,6 @@ times the traced rank, and their CPU counted as the prediction's own."""
 from __future__ import annotations
 
 import multiprocessing
-import time
 
 import pytest
 
@@ -33,9 +32,7 @@ def test_the_helpers_cpu_counts_their_whole_life() -> None:
     processes') are the kernel's account of them, start and exit included, and none is left
     running."""
     cfg = load_config(None, ["strategy.name=ddp"])
-    with beside(cfg, 2, 0, 2, 1, 2) as helpers:
+    with beside(cfg, 2, 0, 2, 1, 1) as helpers:
         procs = multiprocessing.active_children()
-        time.sleep(0.5)
-    assert len(procs) >= 2 and not any(p.is_alive() for p in procs)
-    # each imported torch and stepped a model: far more than 0.3 s of CPU between them
-    assert helpers.cpu_s > 0.3
+    assert procs and not any(p.is_alive() for p in procs)
+    assert helpers.cpu_s > 0.3  # it imported torch and stepped a model: far more than that
