@@ -30,7 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
-from gloo_ranks import run_ranks
+from gloo_ranks import run_ranks, save
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,11 +133,8 @@ def main() -> None:
           + f" ({Path(args.config).name}'s parameters; torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, load average {load_before:.2f} before, "
           f"{load_after:.2f} after)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"world": args.world, "factors": factors, "rows": rows, "ranks": ranks,
-             "torch": torch.__version__, "load_average": [load_before, load_after],
-             "args": {k: v for k, v in vars(args).items() if k != "json"}}, indent=2) + "\n")
+    save(args.json, args, (load_before, load_after), world=args.world, factors=factors,
+         rows=rows, ranks=ranks)
 
 
 if __name__ == "__main__":

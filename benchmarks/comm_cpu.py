@@ -31,7 +31,7 @@ import statistics
 import time
 from pathlib import Path
 
-from gloo_ranks import run_ranks
+from gloo_ranks import run_ranks, save
 
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"]
 SIZES = "4K,64K,512K,4M,16M"
@@ -114,11 +114,8 @@ def main() -> None:
     print(json.dumps(block))
     print(f"({args.world} gloo ranks, torch {torch.__version__}, {os.cpu_count()} CPUs, load "
           f"average {load_before:.2f} before, {load_after:.2f} after)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"world": args.world, "rows": rows, "cpu_us": block, "ranks": ranks,
-             "torch": torch.__version__, "load_average": [load_before, load_after],
-             "args": {k: v for k, v in vars(args).items() if k != "json"}}, indent=2) + "\n")
+    save(args.json, args, (load_before, load_after), world=args.world, rows=rows, cpu_us=block,
+         ranks=ranks)
 
 
 if __name__ == "__main__":

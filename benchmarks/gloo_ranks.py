@@ -27,3 +27,15 @@ def run_ranks(rank_main: Callable[..., None], world: int,
                  join=True)
         results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
     return results, (before, os.getloadavg()[0])
+
+
+def save(path: str | None, args: Any, load: tuple[float, float], **result: Any) -> None:
+    """`result` as JSON at `path` (None: nothing), with the torch version, the load average
+    before and after, and the arguments, so that a result file says what measured it."""
+    if not path:
+        return
+    import torch
+
+    Path(path).write_text(json.dumps(
+        {**result, "torch": torch.__version__, "load_average": list(load),
+         "args": {k: v for k, v in vars(args).items() if k != "json"}}, indent=2) + "\n")

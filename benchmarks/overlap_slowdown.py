@@ -30,7 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
-from gloo_ranks import run_ranks
+from gloo_ranks import run_ranks, save
 
 
 def _block(a, b, matmuls: int) -> float:  # noqa: ANN001 - torch tensors
@@ -132,12 +132,9 @@ def main() -> None:
     print(f"overlap_slowdown: {slowdown:.3f} (mean of the ranks; {args.ranks} gloo ranks, torch "
           f"{torch.__version__}, {os.cpu_count()} CPUs, load average {load_before:.2f} "
           f"before, {load_after:.2f} after)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"overlap_slowdown": slowdown, "per_rank": per_rank, "ranks": ranks,
-             "comm_overlap_slowdown": comm_slowdown, "comm_per_rank": comm_per_rank,
-             "load_average": [load_before, load_after], "torch": torch.__version__,
-             "args": {k: v for k, v in vars(args).items() if k != "json"}}, indent=2) + "\n")
+    save(args.json, args, (load_before, load_after), overlap_slowdown=slowdown,
+         per_rank=per_rank, ranks=ranks, comm_overlap_slowdown=comm_slowdown,
+         comm_per_rank=comm_per_rank)
 
 
 if __name__ == "__main__":

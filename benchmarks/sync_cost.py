@@ -38,7 +38,7 @@ import statistics
 import time
 from pathlib import Path
 
-from gloo_ranks import run_ranks
+from gloo_ranks import run_ranks, save
 
 
 def _size(text: str) -> int:
@@ -182,11 +182,8 @@ def main() -> None:
     print(f"sync_s: {sync_s * 1e6:.0f} us (median over the sizes; torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, load average {load_before:.2f} before, "
           f"{load_after:.2f} after)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"sync_s": sync_s, "phase_correlation": rho, "block_alone_s": alone_s, "rows": rows, "ranks": ranks, "torch": torch.__version__,
-             "load_average": [load_before, load_after],
-             "args": {k: v for k, v in vars(args).items() if k != "json"}}, indent=2) + "\n")
+    save(args.json, args, (load_before, load_after), sync_s=sync_s, phase_correlation=rho,
+         block_alone_s=alone_s, rows=rows, ranks=ranks)
 
 
 if __name__ == "__main__":
