@@ -1,5 +1,5 @@
 """The node's other ranks stepping beside a traced one (predict/corun.py): how many, which clock
-times the traced rank, and their CPU counted as the prediction's own."""
+times the traced rank, their CPU counted as the prediction's own, and a profile that says so."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import pytest
 
 from dtlab.config import load_config
 from dtlab.predict.corun import beside, cpu_clock, helpers_beside
+from dtlab.predict.events import Compute
+from dtlab.predict.profile import Profile
 
 
 @pytest.mark.parametrize(("ranks", "cores", "threads", "clock", "helpers"), [
@@ -36,3 +38,14 @@ def test_the_helpers_cpu_counts_their_whole_life() -> None:
         procs = multiprocessing.active_children()
     assert procs and not any(p.is_alive() for p in procs)
     assert helpers.cpu_s > 0.3  # it imported torch and stepped a model: far more than that
+
+
+@pytest.mark.parametrize(("clock", "said"), [
+    ("thread cpu", "profile, on a thread's CPU clock beside 3 other rank(s) sharing its cores"),
+    ("wall", "profile")])
+def test_a_profile_says_when_its_seconds_were_timed_on_shared_cores(clock: str, said: str) -> None:
+    """A profile measured where ranks outnumbered the cores carries their time-slicing in its
+    seconds; a prediction priced from it says so in its compute's source."""
+    profile = Profile({"clock": clock, "beside": 3}, {"ddp": {("forward", 0): [0.004, 1e6, 0.0]}})
+    assert profile.seconds(Compute("forward", 0, None, 2e6), "ddp") == (
+        pytest.approx(0.008), said + ", scaled by FLOPs")

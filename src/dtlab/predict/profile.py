@@ -32,7 +32,7 @@ Key = tuple[str, int | None]  # (phase, block)
 
 @dataclass
 class Profile:
-    meta: dict[str, Any]  # device, dtype, threads, torch, model, n_params, model_digest
+    meta: dict[str, Any]  # device, dtype, threads, torch, model, n_params, model_digest, clock
     # spec -> (phase, block) -> [seconds, flops, bytes] summed over the step's stretches
     table: dict[str, dict[Key, list[float]]] = field(default_factory=dict)
     steps: dict[str, float] = field(default_factory=dict)  # spec -> measured compute of a step
@@ -63,6 +63,9 @@ class Profile:
             ratio, by = ((c.flops / flops, "FLOPs") if flops > 0 and c.flops > 0 else
                          (c.bytes / nbytes, "bytes") if nbytes > 0 and c.bytes > 0 else (1.0, ""))
             where = "profile" if i == 0 and spec in self.table else "profile (another strategy)"
+            if self.meta.get("clock") == "thread cpu":  # ranks that outnumbered the cores
+                where += (f", on a thread's CPU clock beside {self.meta.get('beside')} other "
+                          "rank(s) sharing its cores")
             return seconds * ratio * self.scale, where + (f", scaled by {by}" if by and
                                                           not math.isclose(ratio, 1) else "")
         raise KeyError((c.phase, c.block))
