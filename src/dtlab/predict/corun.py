@@ -11,11 +11,12 @@ beyond that, when ranks outnumber them, is the simulator's (cores.py), not measu
 Where the node's ranks of one thread each outnumber its cores (4 ranks on 2 cores), all of its
 other ranks step beside the traced one and its compute is read on its thread's CPU clock
 (`cpu_clock`): a rank that shares a core with others is switched out and back in, and runs its
-share with caches the others turned over. Measured here (2026-11-29, the quick CNN's step at
-16 samples, 1 thread): 2.8-3.4 ms of CPU alone, 3.5 ms with 3 others stepping on the 2 cores,
-4.6-5.2 ms in a 4-rank DDP run; timed with one process beside it on the wall clock, the trace
-saw 3.3 ms. The CPU clock leaves out the time the rank waited for a core, which the simulator
-adds (its sharing of the cores), so it is not counted twice.
+share with caches the others turned over. Measured here (2026-11-29, the quick CNN at 16
+samples, 1 thread): a whole step takes 2.8-3.4 ms of CPU alone and 3.5 ms with 3 others stepping
+on the 2 cores; its forward and backward alone take 4.6-5.2 ms of CPU in a 4-rank DDP run, where
+the trace, on the wall clock beside one process, saw about 3.1 ms. The CPU clock leaves out the
+time the rank waited for a core, which the simulator adds (its sharing of the cores), so it is
+not counted twice.
 
 Each helper is a separate process (spawned: nothing of this process's state is inherited) that
 builds the step with trace.py's own code under the fake process group, runs two warm-up steps,
