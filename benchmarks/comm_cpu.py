@@ -33,13 +33,10 @@ from pathlib import Path
 
 from gloo_ranks import run_ranks, save
 
+from dtlab.comm.bench import parse_size  # dtlab comm's sizes: 4K, 1M, ...
+
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"]
 SIZES = "4K,64K,512K,4M,16M"
-
-
-def _bytes(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
 def rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
@@ -93,8 +90,8 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--ops", type=lambda s: s.split(","), default=OPS)
-    p.add_argument("--sizes", type=lambda s: [_bytes(x) for x in s.split(",")],
-                   default=[_bytes(x) for x in SIZES.split(",")],
+    p.add_argument("--sizes", type=lambda s: [parse_size(x) for x in s.split(",")],
+                   default=[parse_size(x) for x in SIZES.split(",")],
                    help="nccl-tests sizes, as dtlab comm takes them (default: %(default)s)")
     p.add_argument("--iters", type=int, default=20, help="calls back to back per sample")
     p.add_argument("--rounds", type=int, default=3)

@@ -22,7 +22,7 @@ from dtlab.config import Config
 from dtlab.config.strategies import registry
 from dtlab.errors import ConfigError
 from dtlab.predict.cluster import first_clause
-from dtlab.predict.events import Compute, Issue, Trace
+from dtlab.predict.events import CPU_CLOCK, Compute, Issue, Trace
 from dtlab.predict.host import core_share, load_probe, machine_loaded, simulate_shared
 from dtlab.predict.profile import Profile
 
@@ -175,7 +175,7 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
     probe = load_probe(device)
     traces, helpers_cpu_s = traces_of(req, cfg, device)
     if count := traces[min(traces)].meta["beside"]:
-        clock = traces[min(traces)].meta.get("clock") == "thread cpu"
+        clock = traces[min(traces)].meta.get("clock") == CPU_CLOCK
         notes.append(f"compute timed with {count} other process(es) stepping the same model "
                      "beside it, as the node's other ranks share its memory in a run"
                      + (", on the traced thread's CPU clock (the cores' sharing is the "

@@ -47,7 +47,7 @@ def cpu_clock(ranks_per_node: int, cores: int | None, threads: int) -> bool:
     """Whether a traced rank's compute is read on its thread's CPU clock (module docstring):
     ranks of one thread that outnumber the host's cores. With more threads a rank's work is not
     its own thread's CPU time, and the wall clock stays."""
-    return bool(cores) and threads == 1 and ranks_per_node > (cores or 0)
+    return cores is not None and threads == 1 and ranks_per_node > cores
 
 
 def helpers_beside(ranks_per_node: int, cores: int | None, threads: int) -> int:

@@ -22,6 +22,9 @@ PHASES = ("forward", "backward", "recompute", "optimizer", "other")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
                "barrier")
 POINT_TO_POINT = ("send", "recv")
+# Trace.meta["clock"] (and a profile's) where compute was read on the thread's CPU clock, not the
+# wall's: ranks that outnumbered their host's cores (corun.cpu_clock)
+CPU_CLOCK = "thread cpu"
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.errors import DtlabError
-from dtlab.predict.events import Compute, Trace
+from dtlab.predict.events import CPU_CLOCK, Compute, Trace
 
 VERSION = 1
 Key = tuple[str, int | None]  # (phase, block)
@@ -63,7 +63,7 @@ class Profile:
             ratio, by = ((c.flops / flops, "FLOPs") if flops > 0 and c.flops > 0 else
                          (c.bytes / nbytes, "bytes") if nbytes > 0 and c.bytes > 0 else (1.0, ""))
             where = "profile" if i == 0 and spec in self.table else "profile (another strategy)"
-            if self.meta.get("clock") == "thread cpu":  # ranks that outnumbered the cores
+            if self.meta.get("clock") == CPU_CLOCK:  # ranks that outnumbered the cores
                 where += (f", on a thread's CPU clock beside {self.meta.get('beside')} other "
                           "rank(s) sharing its cores")
             return seconds * ratio * self.scale, where + (f", scaled by {by}" if by and

@@ -45,7 +45,7 @@ from dtlab.config.strategies import registry
 from dtlab.data import spec_for
 from dtlab.errors import ConfigError
 from dtlab.predict.counting import CountingMode
-from dtlab.predict.events import Compute, Event, Issue, Trace, mark_arrivals
+from dtlab.predict.events import CPU_CLOCK, Compute, Event, Issue, Trace, mark_arrivals
 from dtlab.predict.fake_host import fake_reducers, host_mode, on_host
 from dtlab.predict.places import Places, stepper
 from dtlab.predict.record import BACKEND, recording_group
@@ -244,7 +244,7 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
     label = s.label_of(strategy.describe()) if s.label else s.name
     meta: dict[str, object] = {
         "strategy": label, "device": device, "dtype": cfg.train.precision, "threads": threads,
-        "clock": "thread cpu" if cpu_clock and device != "meta" else "wall",
+        "clock": CPU_CLOCK if cpu_clock and device != "meta" else "wall",
         "world": world, "ranks_per_node": ranks_per_node, "micro_batch": micro,
         "grad_accum": cfg.train.grad_accum_steps, "torch": torch.__version__,
         "model": cfg.model.name, "n_params": n_params,

@@ -66,14 +66,14 @@ class SaveFailure:
     def explain(self, error: BaseException) -> str:
         if isinstance(error, RunDirGone):  # it says all
             return str(error)
-        gone = self._gone(files.os_error_in(error))
+        os_error = files.os_error_in(error)
+        gone = self._gone(os_error)
         if gone:  # deleted or replaced while the checkpoint was written
             self.watch.lost = True
             return self.watch.line(self.step, gone)
         root = checkpoint_root(self.run_dir)
         part = f"rank {self.ctx.rank}'s part of " if self.ctx.world_size > 1 else ""
         doing = f"writing {part}checkpoint step {self.step} to '{root}'"
-        os_error = files.os_error_in(error)
         needed = self.needed_bytes()
         free, limit = self.free_before, files.file_size_limit()
         if os_error is None:
