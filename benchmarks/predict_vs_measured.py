@@ -47,10 +47,12 @@ from dtlab.errors import ConfigError
 from dtlab.predict.truth import measure_run, split_alone
 
 ROOT = Path(__file__).resolve().parents[1]
-# Steps per run, unless --steps: enough that a run times about a second of steps after its
-# warm-up (the CNN's 10-70 ms steps: a 1-rank fsdp row measured 13.5-23.3 ms over four runs of 12
-# steps, 13.1-14.6 ms over four of 60; 2026-11-28)
-STEPS = {"gpt": 12, "cnn": 48, "calib": 24}
+# Steps per run, unless --steps: enough that a run's median step holds still from run to run.
+# The CNN's steps are short and spread wide (10-70 ms; at 4 ranks on 2 cores one run's p10-p90
+# was 11-25 ms), so it takes 96 timed steps. Five runs of each, interleaved, 2026-11-29: ddp x4
+# 13.2-19.6 ms at 48 steps, 15.9-17.2 at 144; ddp x2 8.3-11.0 and 8.0-8.9; fsdp x1 8.7-15.4 and
+# 8.5-9.2. The GPT's 12 steps do (ddp x4 85.7-97.1 ms at 12 steps, 87.4-90.0 at 36).
+STEPS = {"gpt": 12, "cnn": 144, "calib": 24}
 CONFIGS = {  # label -> (config file, overrides): small enough that a run takes seconds here
     "gpt": (str(ROOT / "configs/tp_gpt.yaml"), ["data.synthetic.train_samples=2048",
                                     "data.synthetic.val_samples=64"]),
@@ -234,7 +236,7 @@ def main() -> None:
     parser.add_argument("--full", action="store_true",
                         help="every variant for every strategy and rank count (hours)")
     parser.add_argument("--steps", type=int, default=None,
-                        help="steps per run, a third warm-up (default: gpt 12, cnn 48)")
+                        help="steps per run, a third warm-up (default: gpt 12, cnn 144)")
     parser.add_argument("--runs", type=int, default=3,
                         help="runs per row; measured: the median of their median steps")
     parser.add_argument("--fresh", action="store_true",
