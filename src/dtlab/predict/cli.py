@@ -116,13 +116,13 @@ def request(args: argparse.Namespace, world: int, cluster: Any) -> Any:
     threads = args.threads
     if args.measure and threads is None and getattr(cluster, "cores", None):
         threads = max(1, cluster.cores // per_node)
-    loop_s = 0.0
-    if args.measure and cluster.cores:  # dtlab's own loop, measured on this CPU (core.py)
-        from dtlab.predict.core import loop_seconds
+    data_s = 0.0
+    if args.measure and cluster.cores:  # the batch's loading, measured on this CPU (core.py)
+        from dtlab.predict.core import data_seconds
 
-        loop_s = loop_seconds(args.config, list(args.overrides))
+        data_s = data_seconds(args.config, list(args.overrides))
     return Request(args.config, list(args.overrides), world, per_node, cluster, args.measure,
-                   profile, threads, loop_s)
+                   profile, threads, data_s)
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -218,7 +218,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 LEGEND = ("step ms: predicted time of one optimizer step (the slowest rank, plus the cluster's "
-          "measured overhead of a real step beyond its simulation, and dtlab's own loop when "
+          "measured overhead of a real step beyond its simulation, and the batch's loading when "
           "measured here; '!': measured on a loaded machine, see its note); fwd/bwd/recomp/optim: "
           "that rank's compute by phase, ms; comm exposed: communication the compute waited for "
           "(the rest overlapped); bubble: pipeline stages idle; MFU: model FLOPs per second per "

@@ -40,7 +40,7 @@ class Request:
     measure: bool = False  # compute measured on this device at each strategy's per-rank shapes
     profile: Profile | None = None  # compute from a profile file
     threads: int | None = None  # torch threads per rank when measuring on a CPU
-    loop_s: float = 0.0  # dtlab's own loop per step beyond compute and collectives (measured)
+    data_s: float = 0.0  # the part of a reported step a trace does not run: the batch's loading
     beside: bool = True  # on a CPU host, time compute with the node's other ranks running (corun.py)
 
 
@@ -198,7 +198,7 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
     overhead_s = timeline.step_s * req.cluster.overhead_for(req.world)
     if overhead_s:
         sources["overhead"] = {first_clause(req.cluster.step_overhead_source)}
-    step_s = timeline.step_s + overhead_s + req.loop_s
+    step_s = timeline.step_s + overhead_s + req.data_s
     spec = spec_for(cfg)
     samples = cfg.train.global_batch_size / step_s
     flops = model_flops(cfg)
@@ -211,7 +211,7 @@ def predict(req: Request, token: str, record: Profile | None = None) -> dict[str
         "mfu": mfu, "peak_tflops": peak, "peak_source": peak_source,
         "model_flops_per_step": flops,
         "split": dict(timeline.split), "exposed_comm": dict(timeline.exposed),
-        "comm_busy": dict(timeline.busy), "overhead_s": overhead_s, "loop_s": req.loop_s,
+        "comm_busy": dict(timeline.busy), "overhead_s": overhead_s, "data_s": req.data_s,
         "traced_on": device,
         "sources": {k: sorted(v) for k, v in sources.items()}, "notes": notes,
         "unreliable": loaded is not None}
@@ -235,23 +235,27 @@ def predict_step(path: str | None, overrides: list[str], token: str, world: int,
     if threads is None and cluster.cores:  # what dtlab train gives each rank (distributed.py)
         threads = max(1, cluster.cores // world)
     return predict(Request(path, list(overrides), world, world, cluster, measure=True,
-                           threads=threads, loop_s=loop_seconds(path, overrides)), token)
+                           threads=threads, data_s=data_seconds(path, overrides)), token)
 
 
-def loop_seconds(path: str | None, overrides: list[str]) -> float:
-    """dtlab's own loop per step on this CPU for this config (run/loop_overhead.py: a short
-    1-rank run, once per config and process): what a step costs beyond compute and collectives."""
+def data_seconds(path: str | None, overrides: list[str]) -> float:
+    """What a step as `dtlab train` reports it (summary.json's median_step_time_s: the batch's
+    loading, then the stepper) spends outside what a trace runs (the stepper: zero_grad, the
+    micro steps, the gradient norm, the optimizer): loading the batch, the median of a short
+    1-rank run on this CPU (the whole global batch: at most what one of N ranks loads), once per
+    config and process. The rest of dtlab's loop (logging, the stop vote; `loop_overhead_s`)
+    falls between two reported steps, and the stepper's own work is in the trace already."""
     from dtlab.predict.truth import measure_run
 
     key = json.dumps([path, sorted(overrides)])
-    if key not in _LOOP:
+    if key not in _DATA:
         plain = [o for o in overrides if not o.startswith("strategy.")]
         run = measure_run(path, [*plain, "strategy.name=single"], 1, 30)
-        _LOOP[key] = run["loop_overhead_s"] or 0.0
-    return _LOOP[key]
+        _DATA[key] = run["data_s"] or 0.0
+    return _DATA[key]
 
 
-_LOOP: dict[str, float] = {}
+_DATA: dict[str, float] = {}
 
 
 def memory(req: Request, token: str, traces: dict[int, Trace], notes: list[str]) -> dict[str, Any]:

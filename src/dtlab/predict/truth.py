@@ -1,8 +1,8 @@
 """What really happens: real runs of `dtlab train` on local gloo ranks, for checking predictions.
 
     measure_run(cfg_path, overrides, nproc, steps, record=True)
-        -> {"step_s": median step seconds (summary.json), "loop_overhead_s": dtlab's own loop
-            per step, "collectives": {rank: [(op, bytes, group size), ...]} of one step after
+        -> {"step_s": median step seconds (summary.json), "data_s": the median batch's loading
+            in it, "loop_overhead_s": dtlab's own loop per step, "collectives": {rank: [(op, bytes, group size), ...]} of one step after
             the warm-up}
 
 The collectives of a step come from the ranks themselves (DTLAB_RECORD_STEP, see
@@ -128,8 +128,8 @@ def run_args(cfg_path: str | None, overrides: list[str], steps: int, run_dir: Pa
 def measure_run(cfg_path: str | None, overrides: list[str], nproc: int, steps: int,
                 record: bool = False, timeout_s: float = 600) -> dict[str, Any]:
     """Run `python -m dtlab train --nproc-per-node NPROC` for `steps` steps (the first third, at
-    least one, is warm-up) and return the median step time from its summary.json and dtlab's
-    own loop per step (`loop_overhead_s`, run/loop_overhead.py; None on a GPU); with `record`,
+    least one, is warm-up) and return the median step time from its summary.json, the batch's loading in it
+    (`data_s`) and dtlab's own loop per step (`loop_overhead_s`, run/loop_overhead.py; None on a GPU); with `record`,
     also the collectives each rank issued in the last step (one step after the warm-up; its
     record, a few milliseconds, is inside that step's time: one of the medianed steps)."""
     warmup = max(1, steps // 3)
@@ -148,6 +148,7 @@ def measure_run(cfg_path: str | None, overrides: list[str], nproc: int, steps: i
             raise RunError(f"measured run failed (exit {proc.returncode}): {tail}")
         summary = json.loads((run_dir / "summary.json").read_text())
         out: dict[str, Any] = {"step_s": summary["median_step_time_s"],
+                               "data_s": summary["median_data_time_s"],
                                "loop_overhead_s": loop_overhead(summary)}
         if record:  # one rank has no process group: nothing to record
             out["collectives"] = recorded_collectives(run_dir, steps, nproc) if nproc > 1 \
