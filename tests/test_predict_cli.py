@@ -201,3 +201,13 @@ def test_refused_in_one_line(workspace: Path, case: str, command: str, message: 
     """Each bad input to predict: exit 2, one line naming it and the fix, nothing written."""
     error = refused(shlex.split(command.format(ws=workspace)), workspace)
     assert message in error, error
+
+
+@pytest.mark.parametrize(("predicted_s", "timed"), [(0.001, 96), (0.017, 89), (0.1, 15), (2.0, 8)])
+def test_a_validating_run_times_about_1_5_s_of_steps(predicted_s: float, timed: int) -> None:
+    """--validate sizes each run from its prediction: 8-96 timed steps after a third of warm-up
+    (truth.measure_run's), so that short, widely spread steps give a median that holds still."""
+    from dtlab.predict.validate import run_steps
+
+    steps = run_steps(predicted_s)
+    assert steps - max(1, steps // 3) == timed

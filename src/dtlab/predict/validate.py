@@ -3,8 +3,9 @@
 
 The prediction measures compute on this device at the strategy's per-rank shapes (core.
 predict_step) and prices communication with the cluster's links (cpu_gloo: a dtlab comm fit of
-this machine); the run is a real `dtlab train` of a few steps (truth.measure_run), its median
-step time after warm-up. A world size the strategy cannot take is skipped with its reason.
+this machine); the run is a real `dtlab train` (truth.measure_run), its median step time after
+warm-up, over enough steps that the median holds still from run to run (run_steps). A world
+size the strategy cannot take is skipped with its reason.
 Where the ranks outnumber the cores, both the run and the prediction share them (the prediction
 says by how much it scaled the compute).
 """
@@ -13,17 +14,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from dtlab.config.strategies import registry
 from dtlab.errors import ConfigError
 
 RANKS = (1, 2, 4)
-STEPS = 12  # the run's steps: dtlab's summary takes the median after its warm-up
+# A run's timed steps (a third more before them are its warm-up): about TIMED_S of them, between
+# MIN_TIMED and MAX_TIMED. Short steps spread wide here, so a few dozen of them give a median that
+# moves from run to run by more than a prediction's error: the quick CNN's ddp on 4 ranks gave
+# medians of 13.2-19.6 ms in five runs of 32 timed steps, 15.9-17.2 ms in five of 96; a GPT's
+# 90 ms steps hold still over 8 (docs/benchmarks.md, 2026-11-29).
+TIMED_S, MIN_TIMED, MAX_TIMED = 1.5, 8, 96
+
+
+def run_steps(predicted_s: float) -> int:
+    """The steps of a run whose step is predicted to take `predicted_s` (TIMED_S)."""
+    timed = min(MAX_TIMED, max(MIN_TIMED, math.ceil(TIMED_S / max(predicted_s, 1e-6))))
+    return timed + timed // 2  # truth.measure_run leaves a third of them untimed
 
 
 def validate_rows(path: str | None, overrides: list[str], tokens: list[str], cluster: Any,
-                  ranks: tuple[int, ...] = RANKS, steps: int = STEPS) -> list[dict[str, Any]]:
+                  ranks: tuple[int, ...] = RANKS,
+                  steps: int | None = None) -> list[dict[str, Any]]:
+    """Each (strategy, ranks): predicted, then run; `steps`: each run's (None: run_steps)."""
     from dtlab.predict.core import Request, predict_step, strategy_config
     from dtlab.predict.truth import measure_run
 
@@ -36,10 +51,11 @@ def validate_rows(path: str | None, overrides: list[str], tokens: list[str], clu
                 rows.append({"strategy": token, "ranks": n, "skipped": str(e)})
                 continue
             predicted = predict_step(path, overrides, token, n, cluster)
-            measured = measure_run(path, [*overrides, *registry.parse(token)], n, steps)
+            run = steps or run_steps(predicted["step_s"])
+            measured = measure_run(path, [*overrides, *registry.parse(token)], n, run)
             error = predicted["step_s"] / measured["step_s"] - 1
             rows.append({"strategy": token, "ranks": n, "predicted_s": predicted["step_s"],
-                         "measured_s": measured["step_s"], "error": error,
+                         "measured_s": measured["step_s"], "steps": run, "error": error,
                          "sources": predicted["sources"], "notes": predicted["notes"]})
     return rows
 
@@ -64,9 +80,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
         return 0
     shown = [{"strategy": r["strategy"], "ranks": str(r["ranks"]),
               "predicted ms": f"{r['predicted_s'] * 1e3:.1f}",
-              "measured ms": f"{r['measured_s'] * 1e3:.1f}", "error": f"{100 * r['error']:+.1f}%"}
+              "measured ms": f"{r['measured_s'] * 1e3:.1f}", "error": f"{100 * r['error']:+.1f}%",
+              "steps": str(r["steps"])}
              for r in rows if "error" in r]
-    print(f"dtlab predict --validate: {cluster.name}, {STEPS} steps per run, median step")
+    print(f"dtlab predict --validate: {cluster.name}; measured: the median step after the run's "
+          f"first third, runs sized to time about {TIMED_S:g} s ({MIN_TIMED}-{MAX_TIMED} timed steps)")
     if shown:
         print(table(shown, list(shown[0])))
     if total["mean_abs_error"] is not None:
