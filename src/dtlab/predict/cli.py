@@ -197,7 +197,7 @@ def significant(value: float) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     from dtlab.estimate.cli import table as text_table
-    from dtlab.predict.core import STATE_ONLY
+    from dtlab.predict.memory import STATE_ONLY
 
     shown = []
     for r in rows:
