@@ -2,8 +2,8 @@
 
     measure_run(cfg_path, overrides, nproc, steps, record=True)
         -> {"step_s": median step seconds (summary.json), "data_s": the median batch's loading
-            in it, "loop_overhead_s": dtlab's own loop per step, "collectives": {rank: [(op, bytes, group size), ...]} of one step after
-            the warm-up}
+            in it, "loop_overhead_s": dtlab's own loop per step, "collectives": {rank: [(op,
+            bytes, group size), ...]} of one step after the warm-up}
 
 The collectives of a step come from the ranks themselves (DTLAB_RECORD_STEP, see
 dtlab/instruments/flight_recorder.py): PyTorch's flight recorder for everything a process group
@@ -128,10 +128,11 @@ def run_args(cfg_path: str | None, overrides: list[str], steps: int, run_dir: Pa
 def measure_run(cfg_path: str | None, overrides: list[str], nproc: int, steps: int,
                 record: bool = False, timeout_s: float = 600) -> dict[str, Any]:
     """Run `python -m dtlab train --nproc-per-node NPROC` for `steps` steps (the first third, at
-    least one, is warm-up) and return the median step time from its summary.json, the batch's loading in it
-    (`data_s`) and dtlab's own loop per step (`loop_overhead_s`, run/loop_overhead.py; None on a GPU); with `record`,
-    also the collectives each rank issued in the last step (one step after the warm-up; its
-    record, a few milliseconds, is inside that step's time: one of the medianed steps)."""
+    least one, is warm-up) and return the median step time from its summary.json, the batch's
+    loading in it (`data_s`) and dtlab's own loop per step (`loop_overhead_s`,
+    run/loop_overhead.py; None on a GPU); with `record`, also the collectives each rank issued in
+    the last step (one step after the warm-up; its record, a few milliseconds, is inside that
+    step's time: one of the medianed steps)."""
     warmup = max(1, steps // 3)
     if steps <= warmup:
         raise ValueError(f"steps={steps}: at least 2 (one warm-up step, one timed)")
