@@ -21,7 +21,7 @@ from dtlab.config.strategies import registry
 from dtlab.errors import ConfigError
 
 RANKS = (1, 2, 4)
-# A run's timed steps (a third more before them are its warm-up): about TIMED_S of them, between
+# A run's timed steps (half as many again run first as its warm-up): about TIMED_S of them, between
 # MIN_TIMED and MAX_TIMED. Short steps spread wide here, so a few dozen of them give a median that
 # moves from run to run by more than a prediction's error: the quick CNN's ddp on 4 ranks gave
 # medians of 13.2-19.6 ms in five runs of 32 timed steps, 15.9-17.2 ms in five of 96; a GPT's
