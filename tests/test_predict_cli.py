@@ -207,7 +207,8 @@ def test_refused_in_one_line(workspace: Path, case: str, command: str, message: 
 def test_a_validating_run_times_about_1_5_s_of_steps(predicted_s: float, timed: int) -> None:
     """--validate sizes each run from its prediction: 8-96 timed steps after a third of warm-up
     (truth.measure_run's), so that short, widely spread steps give a median that holds still."""
+    from dtlab.predict.truth import warmup_of
     from dtlab.predict.validate import run_steps
 
     steps = run_steps(predicted_s)
-    assert steps - max(1, steps // 3) == timed
+    assert steps - warmup_of(steps) == timed

@@ -125,6 +125,11 @@ def run_args(cfg_path: str | None, overrides: list[str], steps: int, run_dir: Pa
             "run.save_model=false", "resume=none", "run.overwrite=true"]
 
 
+def warmup_of(steps: int) -> int:
+    """The untimed steps of a measured run of `steps`: the first third, at least one."""
+    return max(1, steps // 3)
+
+
 def measure_run(cfg_path: str | None, overrides: list[str], nproc: int, steps: int,
                 record: bool = False, timeout_s: float = 600) -> dict[str, Any]:
     """Run `python -m dtlab train --nproc-per-node NPROC` for `steps` steps (the first third, at
@@ -133,7 +138,7 @@ def measure_run(cfg_path: str | None, overrides: list[str], nproc: int, steps: i
     run/loop_overhead.py; None on a GPU); with `record`, also the collectives each rank issued in
     the last step (one step after the warm-up; its record, a few milliseconds, is inside that
     step's time: one of the medianed steps)."""
-    warmup = max(1, steps // 3)
+    warmup = warmup_of(steps)
     if steps <= warmup:
         raise ValueError(f"steps={steps}: at least 2 (one warm-up step, one timed)")
     with tempfile.TemporaryDirectory(prefix="dtlab-truth-") as tmp:

@@ -21,7 +21,7 @@ from dtlab.config.strategies import registry
 from dtlab.errors import ConfigError
 
 RANKS = (1, 2, 4)
-# A run's timed steps (half as many again run first as its warm-up): about TIMED_S of them, between
+# A run's timed steps (truth.warmup_of's untimed steps run first): about TIMED_S of them, between
 # MIN_TIMED and MAX_TIMED. Short steps spread wide here, so a few dozen of them give a median that
 # moves from run to run by more than a prediction's error: the quick CNN's ddp on 4 ranks gave
 # medians of 13.2-19.6 ms in five runs of 32 timed steps, 15.9-17.2 ms in five of 96; a GPT's
@@ -32,7 +32,7 @@ TIMED_S, MIN_TIMED, MAX_TIMED = 1.5, 8, 96
 def run_steps(predicted_s: float) -> int:
     """The steps of a run whose step is predicted to take `predicted_s` (TIMED_S)."""
     timed = min(MAX_TIMED, max(MIN_TIMED, math.ceil(TIMED_S / max(predicted_s, 1e-6))))
-    return timed + timed // 2  # truth.measure_run leaves a third of them untimed
+    return timed + timed // 2  # truth.warmup_of leaves a third of them untimed
 
 
 def validate_rows(path: str | None, overrides: list[str], tokens: list[str], cluster: Any,
