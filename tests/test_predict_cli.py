@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from conftest import dtlab
+from conftest import dtlab, needs
 from test_bad_inputs import refused
 
 from dtlab.predict.cluster import load_cluster
@@ -105,26 +105,70 @@ def test_the_table_keeps_three_digits_of_small_numbers() -> None:
         "0.0724", "5.24", "12.3", "1135.1", "0", "-"]
 
 
-def test_json_is_all_that_reaches_stdout() -> None:
+JSON_COMMANDS = {  # each --json command, and a function it calls while it works
+    "doctor": (("doctor", "--json", "--no-smoke"), "dtlab.doctor", "run_checks"),
+    "estimate": (("estimate", "--json", "--world-size", "2", "--config", "configs/quick.yaml"),
+                 "dtlab.estimate.cli", "build_setup"),
+    "advise": (("advise", "--json", "--gpus", "2", "--gpu-memory", "80", "--config",
+                "configs/quick.yaml", "--cluster", "h100_sxm_8x"), "dtlab.estimate.cli",
+               "build_setup"),
+    "predict": (("predict", "--json", "--world-size", "8", "--cluster", "h100_sxm_8x",
+                 "--strategies", "ddp"), "dtlab.predict.cli", "predict_all"),
+}
+
+
+@pytest.mark.parametrize("command", list(JSON_COMMANDS))
+def test_json_is_all_that_reaches_stdout(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """--json's stdout is the JSON alone: what a library or a child process prints while the
-    command works (DeepSpeed's logger prints to stdout on import) goes to stderr."""
+    command works goes to stderr. The chatter is DeepSpeed's kind: a logging handler bound to
+    the process's stdout before the command started, a print, and a child process's line."""
+    import importlib
+    import io
+    import logging
     import subprocess
     import sys
 
-    from conftest import in_process
+    args, module, name = JSON_COMMANDS[command]
+    owner = importlib.import_module(module)
+    real = getattr(owner, name)
+    logger = logging.getLogger("dtlab-test-chatty-library")
+    handler = logging.StreamHandler(io.TextIOWrapper(io.FileIO(1, "w", closefd=False)))
+    logger.addHandler(handler)
 
-    from dtlab.process.result_stdout import stdout_kept_for_result
+    def chatty(*a, **k):
+        logger.warning("[WARNING] a library's log line")
+        print("a library's print")
+        subprocess.run([sys.executable, "-c", "print('a child process line')"], check=True)
+        return real(*a, **k)
 
-    def command() -> int:
-        with stdout_kept_for_result():
-            print("a library's line")
-            subprocess.run([sys.executable, "-c", "print('a child process line')"], check=True)
-        print(json.dumps({"answer": 1}))
-        return 0
+    monkeypatch.setattr(owner, name, chatty)
+    try:
+        proc = dtlab(*args)
+    finally:
+        logger.removeHandler(handler)
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]  # doctor: 1 where a check fails here
+    json.loads(proc.stdout)  # the whole of it
+    for line in ("a library's log line", "a library's print", "a child process line"):
+        assert line in proc.stderr
 
-    proc = in_process(command)
-    assert json.loads(proc.stdout) == {"answer": 1}
-    assert "a library's line" in proc.stderr and "a child process line" in proc.stderr
+
+@needs("deepspeed", "deepspeed")
+def test_deepspeeds_import_lines_stay_off_json_stdout() -> None:
+    """With DeepSpeed installed, the doctor's NVMe check imports it, and DeepSpeed logs its
+    accelerator line to stdout on first import: in a process of its own, `dtlab doctor --json`
+    still prints JSON alone, and the line reaches stderr."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "dtlab", "doctor", "--json", "--no-smoke"],
+                          cwd=ROOT, text=True, capture_output=True, timeout=240,
+                          env={k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"})
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    json.loads(proc.stdout)
+    assert "real_accelerator.py" in proc.stderr  # DeepSpeed did speak, on stderr
 
 
 @pytest.mark.parametrize("stage", [1, 3])

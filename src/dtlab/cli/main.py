@@ -27,6 +27,7 @@ from dtlab.cli_args import (
 from dtlab.config import check_environment, check_world, load_config, to_yaml, valid_keys
 from dtlab.errors import DtlabError
 from dtlab.process.interrupt import Interrupted, handling, report
+from dtlab.process.result_stdout import stdout_kept_for_result
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -52,6 +53,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return run(args.config, args.overrides)
     check_world(cfg, world, args.nproc_per_node)
     check_environment(cfg)
+    from dtlab.models import check_model_size  # torch: the launcher imports it anyway
+
+    check_model_size(cfg)
     if cfg.data.name == "tokens":  # every rank would find a bad token file: say it once, here
         from dtlab.data import tokens
 
@@ -313,8 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # A signal stops every process of the command with one line and exit code 128 + the signal
-    # number (dtlab/process/interrupt.py; docs/reliability.md#signals).
-    with handling():
+    # number (dtlab/process/interrupt.py; docs/reliability.md#signals). A `--json` answer owns
+    # stdout: whatever else is printed meanwhile goes to stderr (`dtlab comm --json FILE` names a
+    # file, not this flag).
+    with handling(), stdout_kept_for_result(getattr(args, "json", None) is True):
         try:
             return args.func(args)
         except DtlabError as e:

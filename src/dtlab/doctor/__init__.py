@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 from dtlab.doctor import environment, network, smoke, system
 from dtlab.doctor.check import STATUSES, Check, guarded, skip
+from dtlab.process.result_stdout import print_result
 
 
 @dataclass(frozen=True)
@@ -92,5 +93,8 @@ def to_json(checks: list[Check], opts: Options) -> str:
 def run_doctor(as_json: bool, nproc: int | None, timeout_s: float, smoke: bool = True) -> int:
     opts = Options(nproc=nproc or default_nproc(), timeout_s=timeout_s, smoke=smoke)
     checks = run_checks(opts)
-    print(to_json(checks, opts) if as_json else format_table(checks))
+    if as_json:
+        print_result(to_json(checks, opts))
+    else:
+        print(format_table(checks))
     return exit_code(checks)

@@ -24,7 +24,7 @@ from dtlab.estimate.arguments import (  # noqa: F401 (dtlab.cli takes the add_* 
     validate,
 )
 from dtlab.estimate.memory import PRECISIONS
-from dtlab.process.result_stdout import stdout_kept_for_result
+from dtlab.process.result_stdout import print_result
 
 
 # ------------------------------------------------------------------------------ building a setup
@@ -144,13 +144,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from dtlab.estimate.core import estimate
 
     validate(args)
-    with stdout_kept_for_result(args.json):
-        setup = build_setup(args, args.world_size)
-        default = DEFAULT_STRATEGIES if setup.world > 1 else registry.BASELINE
-        rows = [estimate(setup, t.strip()) for t in (args.strategies or default).split(",")
-                if t.strip()]
+    setup = build_setup(args, args.world_size)
+    default = DEFAULT_STRATEGIES if setup.world > 1 else registry.BASELINE
+    rows = [estimate(setup, t.strip()) for t in (args.strategies or default).split(",")
+            if t.strip()]
     if args.json:
-        print(json.dumps({"setup": setup_dict(setup), "rows": rows}, indent=1))
+        print_result(json.dumps({"setup": setup_dict(setup), "rows": rows}, indent=1))
         return 0
     top = max([abs(v) for r in rows for v in (r["device_total"], r["state"])] + [0.0])
     unit, scale = ("GB", 1e9) if top >= 1e9 else ("MB", 1e6)
@@ -180,10 +179,9 @@ def advise_result(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     from dtlab.estimate.advise import advise
 
     validate(args)
-    with stdout_kept_for_result(args.json):
-        base = build_setup(args, args.gpus)
-        return base, advise(lambda ckpt: replace(base, checkpointing=ckpt), args.gpu_memory * GB,
-                            args.reserve * GB, args.host_memory * GB if args.host_memory else None)
+    base = build_setup(args, args.gpus)
+    return base, advise(lambda ckpt: replace(base, checkpointing=ckpt), args.gpu_memory * GB,
+                        args.reserve * GB, args.host_memory * GB if args.host_memory else None)
 
 
 def cmd_advise(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> int:
@@ -191,7 +189,8 @@ def cmd_advise(args: argparse.Namespace, extra: dict[str, Any] | None = None) ->
     base, result = advise_result(args)
     gpu = args.gpu_memory * GB
     if args.json:
-        print(json.dumps({"setup": setup_dict(base), **result, **(extra or {})}, indent=1))
+        print_result(json.dumps({"setup": setup_dict(base), **result, **(extra or {})},
+                                indent=1))
         return 0
     header("advise", base, f"; {args.gpu_memory:g} GB per GPU"
            + (f", {args.reserve:g} GB reserved" if args.reserve else ""))

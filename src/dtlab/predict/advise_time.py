@@ -12,7 +12,6 @@ from typing import Any
 
 from dtlab.config.strategies import registry
 from dtlab.errors import ConfigError, DtlabError
-from dtlab.process.result_stdout import stdout_kept_for_result
 
 
 def ranked(args: argparse.Namespace, result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -49,8 +48,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     if not args.config:
         raise DtlabError("--cluster ranks dtlab strategies of a config by step time; fix: add "
                          "--config FILE, or drop --cluster")
-    with stdout_kept_for_result(args.json):
-        rows = ranked(args, advise_result(args)[1])
+    rows = ranked(args, advise_result(args)[1])
     keep = ("strategy", "step_s", "slower", "samples_per_s", "mfu", "why")
     if args.json:
         return memory_advice(args, {"by_step_time": [{k: r.get(k) for k in keep} for r in rows],

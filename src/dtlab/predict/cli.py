@@ -15,7 +15,7 @@ from typing import Any
 
 from dtlab.cli_args import integer, number
 from dtlab.errors import DtlabError
-from dtlab.process.result_stdout import stdout_kept_for_result
+from dtlab.process.result_stdout import print_result
 
 DEFAULT_STRATEGIES = "ddp,fsdp,zero1"
 GB = 1e9
@@ -139,17 +139,17 @@ def cmd_predict(args: argparse.Namespace) -> int:
         from dtlab.predict.profile import check_writable
 
         check_writable(Path(args.save_profile))
-    with stdout_kept_for_result(args.json):
-        cluster = load_cluster(args.cluster)
-        req = request(args, args.world_size, cluster)
-        rows = predict_all(req, [t.strip() for t in args.strategies.split(",")],
-                           args.save_profile, args.jobs)
+    cluster = load_cluster(args.cluster)
+    req = request(args, args.world_size, cluster)
+    rows = predict_all(req, [t.strip() for t in args.strategies.split(",")],
+                       args.save_profile, args.jobs)
     from dtlab.predict.core import fastest
 
     best = fastest(rows)
     if args.json:
-        print(json.dumps({"world_size": req.world, "ranks_per_node": req.ranks_per_node,
-                          "cluster": cluster.name, "rows": rows, "fastest": best}, indent=1))
+        print_result(json.dumps({"world_size": req.world, "ranks_per_node": req.ranks_per_node,
+                                 "cluster": cluster.name, "rows": rows, "fastest": best},
+                                indent=1))
         return 0
     print(f"dtlab predict: {req.world} ranks ({req.ranks_per_node} per node) of {cluster.name}"
           + (f", config {args.config}" if args.config else ""))

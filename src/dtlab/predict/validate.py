@@ -19,6 +19,7 @@ from typing import Any
 
 from dtlab.config.strategies import registry
 from dtlab.errors import ConfigError
+from dtlab.process.result_stdout import print_result
 
 RANKS = (1, 2, 4)
 # A run's timed steps (truth.warmup_of's untimed steps run first): about TIMED_S of them, between
@@ -76,7 +77,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     rows = validate_rows(args.config, list(args.overrides), tokens, cluster, ranks)
     total = summary(rows)
     if args.json:
-        print(json.dumps({"cluster": cluster.name, "rows": rows, **total}, indent=1))
+        print_result(json.dumps({"cluster": cluster.name, "rows": rows, **total}, indent=1))
         return 0
     shown = [{"strategy": r["strategy"], "ranks": str(r["ranks"]),
               "predicted ms": f"{r['predicted_s'] * 1e3:.1f}",
