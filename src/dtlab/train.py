@@ -33,6 +33,7 @@ from dtlab.config import (
     load_config,
     to_yaml,
 )
+from dtlab.config.limits import MAX_INT
 from dtlab.config.strategies import registry
 from dtlab.data import EvalLoader, SampleUsage, TrainLoader, build_datasets, check_data_dir
 from dtlab.distributed import (
@@ -52,7 +53,7 @@ from dtlab.instruments.trackers import open_trackers
 from dtlab.levers import activation_checkpoint, lora, numerics
 from dtlab.levers.compile import compile_blocks, compiled_forward
 from dtlab.levers.optim import build_scheduler
-from dtlab.models import build_model, check_model, count_params, memory_format
+from dtlab.models import build_model, check_model, check_model_size, count_params, memory_format
 from dtlab.process import interrupt
 from dtlab.process.interrupt import Interrupted
 from dtlab.run import checkpoint, state
@@ -107,6 +108,7 @@ def check_paths(cfg: Config) -> None:
     """Before any rank starts: the model's source and data.dir can be read, the run directory can
     be written and holds no other run to mix this one with."""
     check_model(cfg.model)
+    check_model_size(cfg)
     if cfg.train.lora.rank:
         lora.require_peft()
     check_data_dir(cfg)
@@ -115,7 +117,12 @@ def check_paths(cfg: Config) -> None:
 
 
 def total_steps(cfg: Config, loader: TrainLoader) -> int:
-    return cfg.train.max_steps or cfg.train.epochs * loader.steps_per_epoch
+    steps = cfg.train.max_steps or cfg.train.epochs * loader.steps_per_epoch
+    if steps > MAX_INT:  # each bound alone, the config's check; their product, known here
+        raise ConfigError(f"train.epochs={cfg.train.epochs} of {loader.steps_per_epoch:,} steps "
+                          f"are {steps:,} steps, past what a run can use (at most 2**53); fix: "
+                          "fewer train.epochs, or train.max_steps")
+    return steps
 
 
 def train(cfg: Config, ctx: DistContext) -> dict[str, Any]:

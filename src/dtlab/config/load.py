@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from dtlab.config.limits import check_integers
 from dtlab.config.schema import CNNConfig, Config, GPTConfig, HFConfig, ResNetConfig
 from dtlab.errors import ConfigError
 
@@ -152,6 +153,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         keys = [item.partition("=")[0].strip().split(".") for item in overrides]
         _switch_model(tree, file_model, {k[1] for k in keys if len(k) > 1 and k[0] == "model"})
         _switch_hf_source(tree, keys)
+    check_integers(tree)  # before the schema's own checks, which may compute with them
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as e:

@@ -297,7 +297,9 @@ class RunConfig(Section):
     overwrite: bool = False
     log_every: PositiveInt = 10
     timing_warmup_steps: NonNegativeInt = 3  # excluded from the medians
-    threads: NonNegativeInt = 0  # intra-op threads per rank, 0 = cores / ranks on this node
+    # intra-op threads per rank, 0 = cores / ranks on this node (torch's pools take a C int; 4096
+    # is past any node's cores)
+    threads: int = Field(0, ge=0, le=4096)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: PositiveFloat = 300.0  # process-group timeout: a stuck collective fails after this

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from dtlab.config.limits import check_fits_machine
 from dtlab.config.schema import TRACKER_PACKAGES, Config
 from dtlab.config.strategies import registry
 from dtlab.config.strategies.spec import micro_batch_of
@@ -40,7 +41,8 @@ def check_world(cfg: Config, world_size: int, local_world_size: int | None = Non
 
 
 def check_environment(cfg: Config) -> None:
-    """Options that need an optional package."""
+    """Options that need an optional package, and data this machine can hold."""
+    check_fits_machine(cfg)
     extra = registry.of(cfg).extra
     if extra is not None and importlib.util.find_spec(extra[0]) is None:
         raise ConfigError(

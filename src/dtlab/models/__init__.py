@@ -11,16 +11,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtlab.config import ModelConfig
-from dtlab.data import DataSpec
+from dtlab.config import Config, ModelConfig
+from dtlab.config.limits import host_memory
+from dtlab.data import DataSpec, spec_for
+from dtlab.errors import ConfigError
 from dtlab.levers import lora as adapters
 from dtlab.models.cnn import SimpleCNN
 from dtlab.models.gpt import GPT
 from dtlab.models.resnet import ResNet
 
 __all__ = [
-    "GPT", "ResNet", "SimpleCNN", "build_model", "check_model", "count_params", "has_batchnorm",
-    "loss_fn",
+    "GPT", "ResNet", "SimpleCNN", "build_model", "check_model", "check_model_size", "count_params",
+    "has_batchnorm", "loss_fn",
 ]
 
 
@@ -55,6 +57,25 @@ def check_model(cfg: ModelConfig) -> None:
         from dtlab.models import hf
 
         hf.check(cfg)
+
+
+def check_model_size(cfg: Config) -> None:
+    """Before any rank starts: dtlab's own model of `cfg` can be built (on the meta device, which
+    allocates nothing) and its fp32 parameters fit in this machine's memory, as each rank builds
+    the whole model before a strategy shards it. (A Hugging Face model: hf.check.)"""
+    if cfg.model.name == "hf":
+        return
+    try:
+        with torch.device("meta"):
+            n = count_params(_build(cfg.model, spec_for(cfg)))
+    except (RuntimeError, ValueError, OverflowError) as e:
+        raise ConfigError(f"model.name={cfg.model.name} cannot be built with these sizes "
+                          f"({str(e).splitlines()[0][:200]}); fix: smaller model.* sizes") from None
+    memory = host_memory()
+    if memory is not None and 4 * n > memory:
+        raise ConfigError(f"model.name={cfg.model.name} has {n:,} parameters, {4 * n / 1e9:,.1f} GB "
+                          f"in fp32, more than this machine's {memory / 1e9:.1f} GB of memory; "
+                          "fix: smaller model.* sizes")
 
 
 def count_params(model: nn.Module) -> int:
