@@ -165,7 +165,12 @@ def check_failure_modes(w: Path, out: dict[str, str]) -> None:
     rows = {r["strategy"]: r for r in json.loads((w / "runs/guide/seeds/compare.json").read_text())}
     assert float(rows["ddp"]["loss_dev"]) < PARITY and float(rows["ddp"]["param_dev"]) < 1e-5
     assert float(rows["fsdp"]["param_dev"]) > 1.0  # "parameters 199% away"
-    assert diverged_at(output_of(out, "lab.no_zero_grad"), "inf", 56)
+    # where the runaway overflows depends on the CPU's rounding (the chapter's 50, 56, 61 and
+    # none within the run); that it runs away does not
+    if not re.search(r"non-finite gradient \(norm inf\) at step \d+",
+                     output_of(out, "lab.no_zero_grad")):
+        losses = step_losses(w / "runs/guide/no-zero-grad")
+        assert losses[-1] > 3 * losses[0], losses
     assert diverged_at(output_of(out, "lab.no_loss_division"), "nan", 62)
     once = summary(w, "runs/guide/accum")["comm_breakdown"]
     every = summary(w, "runs/guide/accum-sync-every")["comm_breakdown"]

@@ -208,15 +208,23 @@ def test_meta_trace_issues_the_cpu_traces_collectives(spec: str, overrides: list
 
 
 def test_zero1s_broadcasts_are_one_burst_and_ddps_buckets_none() -> None:
-    """zero1 at 2 ranks: after the step, one broadcast per parameter, issued back to back (a
-    burst: the link's burst factor prices them), the first after the rank's own compute; ddp's
-    bucket all-reduces, issued between stretches of the backward, are no burst."""
+    """zero1 at 2 ranks: after the step, one broadcast per parameter, issued back to back: a burst
+    (the link's burst factor prices them); ddp's bucket all-reduces, issued between stretches of
+    the backward, are no burst. Read on the meta device, which has no timings: on a measured
+    trace, what counts as back to back depends on how long this CPU took between two calls
+    (mark_arrivals' ON_ITS_OWN_S, tested on recorded timings in test_predict_cluster.py), so
+    the CPU trace is checked for what holds at any speed: the same calls, in the same order,
+    after the optimizer's compute, with no wait between them."""
     cfg = config("zero1")
-    t = trace_step(cfg, 2, 0, 2, device="cpu")
-    casts = [e for e in t.issues() if e.op == "broadcast"]
+    meta = trace_step(cfg, 2, 0, 2, device="meta")
+    casts = [e for e in meta.issues() if e.op == "broadcast"]
     assert len(casts) == len(list(meta_model(cfg).parameters())) > 2
-    assert all(e.in_burst for e in casts) and casts[0].after_compute
-    assert not any(e.after_compute for e in casts[1:])
+    assert all(e.in_burst for e in casts)
+    cpu = trace_step(cfg, 2, 0, 2, device="cpu")
+    assert [(e.op, e.bytes) for e in cpu.issues()] == [(e.op, e.bytes) for e in meta.issues()]
+    at = [i for i, e in enumerate(cpu.events) if isinstance(e, Issue) and e.op == "broadcast"]
+    assert any(isinstance(e, Compute) and e.phase == "optimizer" for e in cpu.events[:at[0]])
+    assert not any(isinstance(e, Wait) for e in cpu.events[at[0]:at[-1]])
     ddp = trace_step(config("ddp", "strategy.ddp.bucket_cap_mb=0.01"), 2, 0, 2, device="meta")
     assert len(ddp.issues()) > 2 and not any(e.in_burst for e in ddp.issues())
 
