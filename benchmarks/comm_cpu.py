@@ -1,6 +1,6 @@
 """How many CPU-seconds does a gloo collective take from a host's cores? Not yet a term of
 dtlab predict (predict/cores.py says so): measured for the floor a node's CPU work puts under a
-step whose ranks outnumber the cores (docs/benchmarks.md, "twelfth session").
+step whose ranks outnumber the cores (docs/prediction.md, appendix: "4 ranks on 2 cores").
 
     python benchmarks/comm_cpu.py [--world 4] [--ops all_reduce,all_gather,...]
                                   [--sizes 4K,64K,512K,4M,16M] [--iters 20] [--rounds 3]

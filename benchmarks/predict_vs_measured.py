@@ -91,8 +91,9 @@ def predict(cfg_path: str, overrides: list[str], strategy: str, ranks: int,
 
 def predict_fresh(*args: Any) -> dict[str, Any]:
     """predict(*args) in a process of its own, as each run has: here a process keeps one speed
-    for its life, up to 2x from one process to the next (docs/benchmarks.md, sixth session), and
-    predicting every row in this one process would carry its speed into all of them."""
+    for its life, up to 2x from one process to the next (docs/prediction.md, appendix: half-speed
+    processes), and predicting every row in this one process would carry its speed into all of
+    them."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 

@@ -10,7 +10,7 @@ within a few percent; where they do not, a process keeps the speed it got (the C
 placed on, the hypervisor's share) for its whole life, and two runs of the same program differ
 by that much however many steps each times. `dtlab predict` measures its compute in one
 process and a run steps in others: their agreement is bounded by this spread
-(docs/benchmarks.md, "2026-11-28, fifth session").
+(docs/prediction.md, appendix: "The measurement's own spread").
 """
 
 from __future__ import annotations

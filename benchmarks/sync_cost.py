@@ -22,8 +22,8 @@ by default; it is what a cluster file's `phase_correlation` means. Measured here
 cores, 2026-11-28): 0.04 with the default blocks (2 ms of compute alone), 0.18 with 8 ms
 (--matmuls 24), 0.33 with 31 ms (--matmuls 96). The short blocks ran mostly one rank at a
 time, each at its speed alone (the four duty cycles summed to 1.04 on 2 cores), released one
-after another from gloo's collective; longer blocks share the cores more (docs/benchmarks.md,
-seventh session).
+after another from gloo's collective; longer blocks share the cores more (docs/prediction.md,
+appendix: "The ranks' phase on shared cores").
 
 Run it on a quiet machine. On a GPU the question is another (NCCL kernels queue behind the
 compute on their own stream): not measured there.

@@ -84,7 +84,7 @@ LOCAL_SLURM = ROOT / "scripts" / "local_slurm.sh"
 @pytest.fixture(scope="session")
 def local_slurm() -> Iterator[None]:
     """A running one-node SLURM cluster (tests/test_slurm.py, guide chapter 06). Started unpinned,
-    so that the node has every core; stopped at the end when this session started it, left alone
+    so that the node has every core; stopped at the end when this test run started it, left alone
     when it was running before. Skips when SLURM is missing and cannot be installed or started."""
     import shutil
 

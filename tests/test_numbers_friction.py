@@ -1,4 +1,4 @@
-"""Honest numbers and the friction of a first session (issue 26): an MFU that cannot be true is
+"""Honest numbers and the friction of a user's first hour (issue 26): an MFU that cannot be true is
 withheld with the reason, samples/s and the step time are one statistic, options and overrides go
 in any order, `sample` streams its text with its rate and a bound on --tokens, and a mesh shape
 whose ranks differ from --nproc-per-node is said before anything starts."""

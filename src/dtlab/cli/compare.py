@@ -134,8 +134,8 @@ def print_table(rows: list[dict[str, Any]], summaries: dict[str, dict[str, Any]]
 
 
 def run_train(cmd: list[str]) -> int:
-    """One strategy's `dtlab train`, in a session of its own: a signal to compare is passed on to
-    its process group, the run stops (and says where), then compare stops with the same signal.
+    """One strategy's `dtlab train`, in a process group of its own: a signal to compare is passed
+    on to that group, the run stops (and says where), then compare stops with the same signal.
     The run dies with compare, however compare ends (dtlab/process/launcher_guard.py)."""
     with forwarding():
         code = subprocess.run(cmd, stdout=subprocess.DEVNULL, start_new_session=True,

@@ -167,7 +167,7 @@ def stop_deadline() -> None:
 @contextmanager
 def forwarding() -> Iterator[None]:
     """While a child runs: a signal is passed on to the process groups of this process's
-    children (each started in a session of its own), which stop and report; `requested()` says
+    children (each started in a process group of its own), which stop and report; `requested()` says
     afterwards that the parent should stop too."""
     _state.forward = True
     try:

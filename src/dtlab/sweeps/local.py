@@ -26,7 +26,7 @@ def run_local(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[str, str
     (after a checkpoint on SIGTERM) and said where in its log."""
     log_path = run_dir / "train.log"
     with open(log_path, "w") as log:
-        # A session of its own: the launcher and its workers are stopped by signals to it. It
+        # A process group of its own: the launcher and its workers are stopped by signals to it. It
         # dies with this process, however this process ends (dtlab/process/launcher_guard.py).
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=launcher_env())

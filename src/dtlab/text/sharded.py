@@ -9,8 +9,8 @@
   GPT-2-style models ("use kernel injection"). With `kernel_inject` (CUDA only: DeepSpeed's
   fused kernels have no CPU implementation) it replaces the Hugging Face blocks it has kernels
   for by its own, in fp16, GPT-2-style ones too. dtlab's GPT has neither; every refusal comes
-  before any rank starts (`check`). The kernel path has not run here (no GPU in this project's
-  sessions so far).
+  before any rank starts (`check`). The kernel path has not run yet (it
+  needs a GPU).
 
 Each returns a forward of the same contract as the unsharded model: token ids (1, T) on the CPU
 in, the full logits (1, T, vocabulary) on the CPU out, on every rank.
