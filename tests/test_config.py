@@ -188,3 +188,19 @@ def test_the_model_switch_through_the_command_line(capsys) -> None:
     resolved = yaml.safe_load(capsys.readouterr().out)
     assert resolved["model"] == load_config(None).model.model_dump(mode="json")
     assert resolved["strategy"]["name"] == "fsdp" and resolved["train"]["optimizer"] == "adamw"
+
+
+def test_commands_that_do_no_work_leave_torch_unimported() -> None:
+    """Building dtlab's parser (every command's options) and printing a config import no torch:
+    a bad option or key is answered at once, not after torch's import (about 1.5 s of CPU). The
+    comm options live apart from the benchmark for this (dtlab/comm/arguments.py)."""
+    import subprocess
+    import sys
+
+    code = ("import contextlib, io, sys\nfrom dtlab.cli.main import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n    main(['config'])\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout

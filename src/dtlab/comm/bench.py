@@ -26,6 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtlab.comm.arguments import (  # noqa: F401 (parse_size: the benchmarks take it from here)
+    DTYPE_NAMES,
+    add_arguments,
+    parse_size,
+    validate,
+)
 from dtlab.comm.ops import (
     OPS,
     TYPE_NAMES,
@@ -43,19 +49,7 @@ from dtlab.process import interrupt
 from dtlab.process.interrupt import Interrupted
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    t = text.strip().upper().removesuffix("B")
-    unit = t[-1] if t and t[-1] in UNITS else ""
-    try:
-        value = int(float(t[: len(t) - len(unit)]) * UNITS[unit])
-    except (ValueError, OverflowError):  # not a number, or inf/nan
-        raise argparse.ArgumentTypeError(f"'{text}' is not a size such as 8, 64K, 128M or 1G") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got '{text}'")
-    return value
+assert tuple(DTYPES) == DTYPE_NAMES
 
 
 def sizes(lo: int, hi: int, factor: float) -> list[int]:
@@ -240,34 +234,6 @@ def p2p_matrix(ctx: DistContext, nbytes: int, iters: int) -> dict[str, Any]:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         table.copy_(t.cpu())
     return {"latency_us": lat.tolist(), "bandwidth_gbps": bw.tolist(), "p2p_bytes": nbytes}
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--op", default="all_reduce", choices=[*OPS, "all"])
-    p.add_argument("--min-bytes", type=parse_size, default=8)
-    p.add_argument("--max-bytes", type=parse_size, default=parse_size("32M"))
-    p.add_argument("--factor", type=float, default=2.0, help="size multiplier between steps")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--check", action="store_true", help="verify every element of every result")
-    p.add_argument("--p2p", action="store_true", help="also measure every pair of ranks")
-    p.add_argument("--p2p-bytes", type=parse_size, default=parse_size("16M"))
-    p.add_argument("--json", help="write every measurement as JSON")
-    p.add_argument("--csv", help="write one row per op and size as CSV (for dtlab plot)")
-    p.add_argument("--timeout", type=float, default=300.0, help="process-group timeout (s)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--corrupt-rank", type=int, default=-1, help=argparse.SUPPRESS)
-
-
-def validate(args: argparse.Namespace) -> None:
-    if args.min_bytes > args.max_bytes:
-        raise DtlabError(f"--min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}")
-    if args.factor <= 1:
-        raise DtlabError(f"--factor must be above 1, got {args.factor}")
-    if args.iters < 1 or args.warmup < 0:
-        raise DtlabError("--iters must be at least 1 and --warmup at least 0")
 
 
 def measure_and_write(args: argparse.Namespace, progress: Progress) -> list[dict[str, Any]]:

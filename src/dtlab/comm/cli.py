@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dtlab.atomic_write import check_replaceable
 from dtlab.cli_args import input_file, integer, output_file
+from dtlab.comm.arguments import OPS, add_arguments, parse_size, validate
 from dtlab.errors import DtlabError
 from dtlab.files import meminfo
 
@@ -42,9 +43,6 @@ MAX_SIZES = 1000  # message sizes in one sweep; --factor 2 from 8 B to 32M gives
 
 
 def add_comm_arguments(p: argparse.ArgumentParser) -> None:
-    # Importing bench pulls in torch; the parser needs only its argument definitions.
-    from dtlab.comm.bench import add_arguments
-
     add_arguments(p)
     for action in p._actions:
         if action.dest in HELP:
@@ -61,9 +59,6 @@ def add_comm_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Everything the measurement or the fit will need, before either starts."""
-    from dtlab.comm.bench import parse_size, validate
-    from dtlab.comm.ops import OPS
-
     if args.predict and not args.fit:
         raise DtlabError("--predict needs --fit RESULTS (a file written by --json); fix: add "
                          "--fit comm.json, or measure first with --json comm.json")
@@ -186,7 +181,6 @@ def run_comm(args: argparse.Namespace) -> int:
 
 
 def fit_and_predict(path: Path, queries: list[str]) -> int:
-    from dtlab.comm.bench import parse_size
     from dtlab.comm.model import PoorFitError, fit, format_fit, predict
 
     if not path.is_file():

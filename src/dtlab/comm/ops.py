@@ -17,14 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from dtlab.comm.arguments import OPS  # noqa: F401 (the ops' names, torch-free)
 from dtlab.comm.model import ring_terms
 
 # torch 2.13 renamed the tensor forms; older releases only have the *_into_tensor/_tensor names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
-       "send_recv")
 TYPE_NAMES = {torch.float32: "float", torch.bfloat16: "bfloat16", torch.float16: "half"}
 TOTAL_SIZE_OPS = ("all_gather", "reduce_scatter", "all_to_all")  # S counts every rank's part
 
