@@ -27,8 +27,8 @@ venv: $(STAMP)
 # later is compiled then), packages that only the extras' dependencies bring, packages' own tests.
 COMPILE_SKIP := /transformers/models/(?!(auto|llama|gpt2|bert|bloom|qwen3|gemma2|encoder_decoder)/)|/(sklearn|databricks|pyarrow|fontTools|narwhals|graphql|graphene|playwright/driver|tests)/
 # The extras the suite tests. MLflow is left out: with pyarrow, scipy, pandas, scikit-learn and
-# SQLAlchemy it is a third of the venv (about 470 of 1,600 MB, nothing dtlab imports) for 8 tests
-# that skip without it; `make test-mlflow` installs it and runs them.
+# SQLAlchemy, none of which dtlab imports, it is a quarter of the venv (540 of 2,070 MB) for 7
+# tests that skip without it; `make test-mlflow` installs it and runs them.
 EXTRAS ?= dev,deepspeed,wandb,tensorboard
 $(STAMP): pyproject.toml Makefile
 	grep -qs '^include-system-site-packages = false' $(VENV)/pyvenv.cfg || { rm -rf $(VENV); $(PYTHON) -m venv $(VENV); }

@@ -8,7 +8,7 @@ a machine without libaio (forced here), a swap directory that cannot be written,
 contradict NVMe offload. The tests that run DeepSpeed's async_io op (3 of them) need it built
 for this venv: `make test-nvme` builds it (once, about 170 CPU-seconds: a fifth of what the rest
 of the suite costs) and runs this file; `make test` and CI run them only where it is built
-already, and say so in the skip reason otherwise (docs/benchmarks.md: the CI budget).
+already, and say so in the skip reason otherwise (docs/benchmarks.md: the suite's time).
 """
 
 from __future__ import annotations
