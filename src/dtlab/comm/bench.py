@@ -48,8 +48,7 @@ from dtlab.instruments.machine_load import LoadProbe, timing_record
 from dtlab.process import interrupt
 from dtlab.process.interrupt import Interrupted
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-assert tuple(DTYPES) == DTYPE_NAMES
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
 
 def sizes(lo: int, hi: int, factor: float) -> list[int]:

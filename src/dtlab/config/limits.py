@@ -23,7 +23,8 @@ MAX_INT = 2**53
 
 
 def check_integers(tree: Any, prefix: str = "") -> None:
-    """ConfigError naming the first integer of `tree` (a validated config's dump) over MAX_INT."""
+    """ConfigError naming the first integer of `tree` (a config as read, overrides applied) over
+    MAX_INT."""
     if isinstance(tree, dict):
         for key, value in tree.items():
             check_integers(value, f"{prefix}{key}.")
