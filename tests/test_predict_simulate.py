@@ -290,16 +290,18 @@ def test_ranks_disagreeing_on_a_collective_are_refused():
 
 
 def test_64_ranks_of_10k_events_simulate_well_under_a_second():
-    """64 traced ranks, 10^4 events in all (bucketed all-reduces on one group), simulate in well under a second."""
+    """64 traced ranks, 10^4 events in all (bucketed all-reduces on one group), simulate in well
+    under a second of this process's CPU (40 ms on the 2-core CI host on 2026-12-02: a 25x margin;
+    CPU time, so that the other test workers' load does not count)."""
     events = []
     for k in range(40):
         events += [comp(0.01, "backward", block=k), coll(k, 0.005, group=tuple(range(64))),
                    comp(0.001, "backward")]
     events += [Wait(k) for k in range(40)]
     traces = {r: events for r in range(64)}
-    start = time.perf_counter()
+    start = time.process_time()
     tl = run(traces, slowdown=0.1)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert sum(len(e) for e in traces.values()) == 64 * 160
     assert tl.step_s > 40 * 0.011 and elapsed < 1.0
 
