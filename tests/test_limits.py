@@ -14,7 +14,9 @@ from test_bad_inputs import refused
 from dtlab.config.limits import MAX_INT
 
 HUGE = "99999999999999999999999"
-CASES = [  # (id, the command line after `dtlab`, what the one line says)
+# (id, the command line after `dtlab`, what the one line says); the data and models are
+# petabytes, past any machine's memory, not only this one's
+CASES = [
     ("max-steps", f"train train.max_steps={HUGE}",
      f"train.max_steps={HUGE} is past what a run can use (at most 2**53 = 9,007,199,254,740,992)"),
     ("epochs", "train train.epochs=100000000000000000000",
@@ -33,7 +35,7 @@ CASES = [  # (id, the command line after `dtlab`, what the one line says)
     ("model", "train model.hidden=1000000000000",
      "model.name=cnn has 2,059,000,000,005,098 parameters, 8,236,000.0 GB in fp32"),
     ("model-2-ranks", "train --nproc-per-node 2 strategy.name=ddp model.name=gpt "
-     "model.n_embd=100000 model.n_head=1", "more than this machine's"),
+     "model.n_embd=10000000 model.n_head=1", "more than this machine's"),
     ("gpt-that-cannot-be-built", f"train model.name=gpt model.n_embd={MAX_INT} model.n_head=1",
      "model.name=gpt cannot be built with these sizes"),
     ("epochs-times-steps", f"train train.epochs={MAX_INT // 8}",
