@@ -115,7 +115,7 @@ def start(nproc: int, argv: list[str], target: Callable[[list[str]], int] = _tra
                                                   f"{logs}/{rank}.out", f"{logs}/{rank}.err"))
             p.start()
             procs.append(p)
-        _wait(procs, timeout, grace_s)
+        stopped = _wait(procs, timeout, grace_s)
         codes = {rank: p.exitcode for rank, p in enumerate(procs)}
 
         def read(name: str) -> str:  # absent: the rank failed before it reached _rank
@@ -126,7 +126,10 @@ def start(nproc: int, argv: list[str], target: Callable[[list[str]], int] = _tra
         stderr = ""
         for r, c in codes.items():
             err = read(f"{r}.err")
-            stderr += err if err or not c else f"[rank {r}: exit {c} before its output was set up]\n"
+            # a rank that failed before its output files existed says so; one stopped because
+            # another failed may not have reached them yet (how far depends on the machine's speed)
+            silent = not err and c and r not in stopped
+            stderr += f"[rank {r}: exit {c} before its output was set up]\n" if silent else err
     code = 0
     if any(codes.values()):
         with contextlib.redirect_stderr(io.StringIO()) as said:
@@ -135,13 +138,16 @@ def start(nproc: int, argv: list[str], target: Callable[[list[str]], int] = _tra
     return subprocess.CompletedProcess([f"{nproc} ranks", *argv], code, stdout, stderr)
 
 
-def _wait(procs: list[multiprocessing.process.BaseProcess], timeout: float, grace_s: float) -> None:
+def _wait(procs: list[multiprocessing.process.BaseProcess], timeout: float,
+          grace_s: float) -> set[int]:
     """Until all ranks exit; once one fails (or the timeout passes), SIGTERM the others, SIGKILL
-    after grace_s (torch elastic's rule)."""
+    after grace_s (torch elastic's rule). Returns the ranks it stopped."""
     deadline = time.monotonic() + timeout
+    stopped: set[int] = set()
     while any(p.exitcode is None for p in procs):
         failed = any(p.exitcode for p in procs)
         if failed or time.monotonic() > deadline:
+            stopped = {r for r, p in enumerate(procs) if p.exitcode is None}
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 for p in procs:
                     if p.exitcode is None:
@@ -153,6 +159,7 @@ def _wait(procs: list[multiprocessing.process.BaseProcess], timeout: float, grac
         time.sleep(0.05)
     for p in procs:
         p.join()
+    return stopped
 
 
 def memoize_synthetic_images() -> None:
