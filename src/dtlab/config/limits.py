@@ -13,11 +13,11 @@ What the model's sizes allocate is checked where the model is built on the meta 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from dtlab.config.schema import LANGUAGE_MODELS
 from dtlab.errors import ConfigError
+from dtlab.files import meminfo
 
 MAX_INT = 2**53
 
@@ -37,14 +37,6 @@ def check_integers(tree: Any, prefix: str = "") -> None:
                           f"{MAX_INT:,}); fix: a smaller {key}")
 
 
-def host_memory() -> int | None:
-    """This machine's physical memory in bytes, or None where the system does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def synthetic_bytes(cfg: Any) -> int:
     """Bytes of the synthetic data set one rank makes: fp32 images, or int64 token windows."""
     s = cfg.data.synthetic
@@ -57,8 +49,8 @@ def synthetic_bytes(cfg: Any) -> int:
 
 def check_fits_machine(cfg: Any) -> None:
     """The synthetic data set of one rank fits in this machine's memory."""
-    memory = host_memory()
-    if cfg.data.name != "synthetic" or memory is None:
+    memory = meminfo().get("MemTotal")
+    if cfg.data.name != "synthetic" or not memory:
         return
     need = synthetic_bytes(cfg)
     if need > memory:

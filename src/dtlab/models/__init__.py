@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtlab.config import Config, ModelConfig
-from dtlab.config.limits import host_memory
 from dtlab.data import DataSpec, spec_for
 from dtlab.errors import ConfigError
+from dtlab.files import meminfo
 from dtlab.levers import lora as adapters
 from dtlab.models.cnn import SimpleCNN
 from dtlab.models.gpt import GPT
@@ -71,8 +71,8 @@ def check_model_size(cfg: Config) -> None:
     except (RuntimeError, ValueError, OverflowError) as e:
         raise ConfigError(f"model.name={cfg.model.name} cannot be built with these sizes "
                           f"({str(e).splitlines()[0][:200]}); fix: smaller model.* sizes") from None
-    memory = host_memory()
-    if memory is not None and 4 * n > memory:
+    memory = meminfo().get("MemTotal")
+    if memory and 4 * n > memory:
         raise ConfigError(f"model.name={cfg.model.name} has {n:,} parameters, {4 * n / 1e9:,.1f} GB "
                           f"in fp32, more than this machine's {memory / 1e9:.1f} GB of memory; "
                           "fix: smaller model.* sizes")
