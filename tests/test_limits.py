@@ -56,3 +56,33 @@ def test_the_bound_itself_is_allowed() -> None:
     from dtlab.config import load_config
 
     assert load_config(None, [f"train.max_steps={MAX_INT}"]).train.max_steps == MAX_INT
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.name=gpt"], ["model.name=resnet"],
+                                       ["model.name=gpt", "model.tie_weights=true"]],
+                         ids=["cnn", "gpt", "resnet", "gpt-tied"])
+def test_the_size_check_counts_the_parameters_the_run_builds(overrides: list[str]) -> None:
+    """check_model_size skips the parameters' initialisation on the meta device (whose random
+    fills import torch._dynamo, seconds of a launcher's CPU): the count is the built model's."""
+    import torch
+
+    from dtlab.config import load_config
+    from dtlab.data import spec_for
+    from dtlab.models import _build, _NoInit, count_params
+
+    cfg = load_config(None, overrides)
+    with torch.device("meta"), _NoInit():
+        skipped = count_params(_build(cfg.model, spec_for(cfg)))
+    assert skipped == count_params(_build(cfg.model, spec_for(cfg))) > 0
+
+
+def test_the_size_check_leaves_torch_dynamo_unimported() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; from dtlab.config import load_config; from dtlab.models import "
+            "check_model_size; check_model_size(load_config('configs/tp_gpt.yaml', [])); "
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parents[1], check=True).stdout
+    assert out.strip() == "[]", out

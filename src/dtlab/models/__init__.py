@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from dtlab.config import Config, ModelConfig
 from dtlab.data import DataSpec, spec_for
@@ -66,7 +67,7 @@ def check_model_size(cfg: Config) -> None:
     if cfg.model.name == "hf":
         return
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _NoInit():
             n = count_params(_build(cfg.model, spec_for(cfg)))
     except (RuntimeError, ValueError, OverflowError) as e:
         raise ConfigError(f"model.name={cfg.model.name} cannot be built with these sizes "
@@ -76,6 +77,21 @@ def check_model_size(cfg: Config) -> None:
         raise ConfigError(f"model.name={cfg.model.name} has {n:,} parameters, {4 * n / 1e9:,.1f} GB "
                           f"in fp32, more than this machine's {memory / 1e9:.1f} GB of memory; "
                           "fix: smaller model.* sizes")
+
+
+class _NoInit(TorchFunctionMode):
+    """Parameters left uninitialised: on the meta device there is nothing to fill, and torch's
+    meta kernels for the random fills import torch._dynamo (about 2 s of CPU in a launcher that
+    would never use it)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__module__", None) == "torch.nn.init" or \
+                getattr(func, "__name__", "") in _FILLS:
+            return args[0] if args else next(iter((kwargs or {}).values()))
+        return func(*args, **(kwargs or {}))
+
+
+_FILLS = {"normal_", "uniform_", "trunc_normal_", "zero_", "fill_", "bernoulli_", "exponential_"}
 
 
 def count_params(model: nn.Module) -> int:
