@@ -115,7 +115,7 @@ def test_disk_full_on_2_ranks_is_said_once(small_disk: Path) -> None:
 def test_disk_full_while_writing_metrics(small_disk: Path) -> None:
     """A full disk while writing metrics.jsonl: exit 1, one line naming the file and step; the records that fitted stay, whole."""
     run = small_disk / "run"
-    fill(small_disk, 3 * 4096)  # config.yaml, progress and one block of metrics.jsonl
+    fill(small_disk, 4 * 4096)  # the run's record, config.yaml, progress, a block of metrics
     proc = dtlab("train", "train.max_steps=60", "run.log_every=1", "run.progress=false",
                  f"run.dir={run}")
     line = one_line(proc, 1)

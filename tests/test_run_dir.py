@@ -21,7 +21,7 @@ import ranks
 from conftest import dtlab
 
 from dtlab.run.checkpoint import MANIFEST
-from dtlab.run.owner import DirectoryWatch
+from dtlab.run.dir_watch import DirectoryWatch
 from dtlab.run.save_failure import SaveFailure
 
 TINY = ("model.channels=[4]", "model.hidden=8", "data.synthetic.image_size=8",
@@ -220,7 +220,7 @@ def test_a_run_directory_that_disappears_mid_run_stops_it(tmp_path: Path, replac
 
 def test_the_directory_watch_tells_deleted_from_replaced(tmp_path: Path) -> None:
     """The run directory's watch: unchanged is no problem, another directory at its path is "replaced", none is "deleted"."""
-    from dtlab.run.owner import DirectoryWatch
+    from dtlab.run.dir_watch import DirectoryWatch
 
     run = tmp_path / "run"
     run.mkdir()

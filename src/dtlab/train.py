@@ -56,10 +56,10 @@ from dtlab.levers.optim import build_scheduler
 from dtlab.models import build_model, check_model, check_model_size, count_params, memory_format
 from dtlab.process import interrupt
 from dtlab.process.interrupt import Interrupted
-from dtlab.run import checkpoint, state
+from dtlab.run import checkpoint, dir_lock, state
 from dtlab.run import owner as run_owner
+from dtlab.run.dir_watch import DirectoryWatch, PeerSawRunDirGone, RunDirGone, check_directory
 from dtlab.run.faults import Fault, check_fault
-from dtlab.run.owner import DirectoryWatch, PeerSawRunDirGone, RunDirGone
 from dtlab.run.run_state import RunState, Training
 from dtlab.run.step import Stepper
 from dtlab.run.stop import (
@@ -149,7 +149,7 @@ def _train_and_record(cfg: Config, ctx: DistContext, run_dir: Path,
             if ctx.is_main and not e.quiet:
                 record_stop(run_dir, e)
         raise
-    except (ConfigError, RunDirGone, PeerSawRunDirGone):  # said once; nothing to record
+    except (ConfigError, RunDirGone, PeerSawRunDirGone, run_owner.RunComplete):  # nothing to record
         raise
     except Exception as e:
         if watch.intact():
@@ -183,8 +183,13 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
             raise ConfigError(f"checkpoint {path} is at step {run.start}, past this run's last "
                               f"step {run.total_steps}; fix: train.max_steps={run.start} or more "
                               "to continue it, or resume=none run.overwrite=true to start over")
-    run_owner.begin(run, ctx, cfg, path, watch)
+        if run.done and run_owner.summary_step(run_dir) == run.start:
+            raise run_owner.RunComplete(
+                f"run.dir '{run_dir}' holds this run complete at step {run.start}; its summary "
+                "stands and nothing was written (to train on, raise train.max_steps; to start "
+                "over, resume=none run.overwrite=true)")
     check_fault(cfg.run.fault, ctx.world_size, run.total_steps)  # one that can fire
+    run_owner.begin(run, ctx, cfg, path, watch)
     profiler, snapshot = windows(cfg, run_dir, ctx, run.total_steps, run.start)
     # The trackers first: one that cannot start stops the run before it writes anything.
     trackers = open_trackers(cfg, run_dir, resumed=path is not None) if ctx.is_main else None
@@ -258,7 +263,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
         if cfg.train.checkpoint_every and \
                 not (checkpoint.checkpoint_root(run_dir) / f"step_{run.step:06d}").is_dir():
             state.save(cfg, ctx, tr, run)  # the end of the run (or of a resumed run, here in run.dir)
-        run_owner.check_directory(ctx, watch, run.step)  # the summary goes where the run began
+        check_directory(ctx, watch, run.step)  # the summary goes where the run began
         trained = True
     except torch.OutOfMemoryError as e:
         held = strategy.state_bytes(tr.model, tr.optimizer)
@@ -319,15 +324,22 @@ def run(config: str | None, overrides: list[str]) -> int:
 
 
 def _run(config: str | None, overrides: list[str], env: Any) -> int:
-    try:
-        cfg = load_config(config, overrides)
-        check_world(cfg, env.world_size, env.local_world_size)
-        check_environment(cfg)
-        check_paths(cfg)
-    except DtlabError as e:
-        if env.rank == 0:  # every rank finds the same problem: say it once
-            print(f"dtlab: error: {e}", file=sys.stderr)
-        return 2
+    with contextlib.ExitStack() as lock:
+        try:
+            cfg = load_config(config, overrides)
+            check_world(cfg, env.world_size, env.local_world_size)
+            check_environment(cfg)
+            if env.rank == 0:  # the run directory's lock, unless this rank's launcher holds it
+                lock.enter_context(dir_lock.held(cfg.run.run_dir))
+            check_paths(cfg)
+        except DtlabError as e:
+            if env.rank == 0:  # every rank finds the same problem: say it once
+                print(f"dtlab: error: {e}", file=sys.stderr)
+            return 2
+        return _train_in_group(cfg, env)
+
+
+def _train_in_group(cfg: Config, env: Any) -> int:
     try:
         r = cfg.run
         flight_recorder.enable(r.flight_recorder if env.world_size > 1 else 0,
@@ -336,6 +348,10 @@ def _run(config: str | None, overrides: list[str], env: Any) -> int:
                          need_group=not registry.of(cfg).one_process, env=env,
                          destroy=not cfg.lab.no_destroy_process_group) as ctx:
             train(cfg, ctx)
+    except run_owner.RunComplete as e:
+        if env.rank == 0:
+            print(f"dtlab: {e}", file=sys.stderr)
+        return 0
     except DtlabError as e:
         # The rank that failed first-hand explains it; a config problem found in set-up is the
         # same on every rank: rank 0 says it.

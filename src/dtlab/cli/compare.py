@@ -2,7 +2,8 @@
 
 Each strategy runs as its own `dtlab train` process, one after another, in `OUT/<label>/`. Every
 run starts fresh (resume=none, the outputs of an earlier run in that directory removed first): a
-comparison measures now, it never reuses numbers from another time, load or config.
+comparison measures now, it never reuses numbers from another time, load or config. Only what a
+compare recorded writing in OUT is replaced; anything else of those names is refused (dtlab.owned).
 With --verify, every strategy's per-step losses and final parameters are checked against `single`
 at the same global batch: the largest relative deviation is printed, and exceeding the tolerance
 makes the command exit 1.
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dtlab import owned
 from dtlab.cli_args import output_dir
 from dtlab.config import check_environment, check_world, load_config
 from dtlab.config.strategies import registry
@@ -74,7 +76,8 @@ RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "progress", 
 
 
 def clear_run(run_dir: Path) -> None:
-    """Remove an earlier run's outputs, so that nothing of it can be read as this run's."""
+    """Remove an earlier run's outputs, so that nothing of it can be read as this run's (only
+    in a directory compare recorded: its claim refused any other)."""
     for pattern in RUN_OUTPUTS:
         for path in run_dir.glob(pattern):
             if path.is_dir() and not path.is_symlink():
@@ -241,6 +244,8 @@ def _compare(args: argparse.Namespace) -> int:
     plans = check_arguments(args)
     ref = registry.REFERENCE
     out = Path(args.out)
+    results_files = ("compare.csv", "compare.json")  # one owner: any compare's, nothing else
+    mine = owned.claim(out, "compare", "compare", [*map(run_label, plans), *results_files], "--out")
     extra = ["run.progress=false"] + (["run.log_every=1", "run.save_model=true"] if args.verify else [])
     numerics = verify_numerics(args)  # before the overrides: an explicit setting wins
     rows, failed, results = [], [], {}
@@ -252,6 +257,7 @@ def _compare(args: argparse.Namespace) -> int:
         cmd += ["resume=none", *numerics, *args.overrides, *spec_overrides, *extra,
                 "run.overwrite=true", f"run.dir={out / label}"]
         print(f"== {spec} on {nproc} rank(s)", flush=True)
+        mine.add(label)  # recorded first: a run cut short is still ours to replace
         clear_run(out / label)
         code = run_train(cmd)
         if code:
@@ -280,7 +286,7 @@ def _compare(args: argparse.Namespace) -> int:
     if rows:
         print()
         print_table(rows, {spec: r[0] for spec, r in results.items()})
-        out.mkdir(parents=True, exist_ok=True)
+        mine.add(*results_files)
         with open(out / "compare.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=columns(rows))
             writer.writeheader()

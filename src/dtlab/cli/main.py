@@ -63,11 +63,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         for split in ("train", "val"):
             tokens.open_split(Path(cfg.data.dir), split, cfg.model.vocab_size, cfg.model.block_size,
                               cfg.model.VOCAB_KEY)
+    from contextlib import nullcontext
+
     from dtlab.process.launch import launch
+    from dtlab.run.dir_lock import held
 
     worker_args = (["--config", args.config] if args.config else []) + list(args.overrides)
-    return launch(worker_args, args.nproc_per_node, args.nnodes, args.rdzv_endpoint,
-                  args.rdzv_id, args.max_restarts, rdzv_conf=args.rdzv_conf)
+    # One node: this process holds the run directory for its ranks (and their restarts). Several:
+    # the node that gets rank 0 is known only after the rendezvous, so rank 0 takes it.
+    with held(cfg.run.run_dir) if args.nnodes == 1 else nullcontext():
+        return launch(worker_args, args.nproc_per_node, args.nnodes, args.rdzv_endpoint,
+                      args.rdzv_id, args.max_restarts, rdzv_conf=args.rdzv_conf)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

@@ -11,10 +11,22 @@ from pathlib import Path
 
 from dtlab.results.collect import collect, read_csv, write_csv
 from dtlab.results.outputs import check_replaceable
-from dtlab.results.plot import plot_results
+from dtlab.results.plot import claim_plots, plot_results
 from dtlab.results.report import skipped_combinations, write_report
 
-__all__ = ["collect", "plot_results", "read_csv", "write_csv", "write_outputs", "write_report"]
+__all__ = ["check_outputs", "collect", "plot_results", "read_csv", "write_csv", "write_outputs",
+           "write_report"]
+
+
+def check_outputs(root: Path, report: Path | None = None) -> None:
+    """Refuse, writing nothing, what write_outputs would replace of the user's: a results.csv or
+    report.html that dtlab did not write, a file in plots/ of a name plot writes and did not
+    write there (dtlab.owned: plots/ keeps its own record, the directory above is not claimed)."""
+    root = Path(root)
+    check_replaceable(root / "results.csv", "csv")
+    check_replaceable(report or root / "report.html", "report")
+    if importlib.util.find_spec("matplotlib") is not None:  # else no plots are drawn
+        claim_plots(root / "plots", "the report's plots directory", elsewhere="")
 
 
 def write_outputs(root: Path, report: Path | None = None, comm_csvs: tuple[Path, ...] = ()) -> Path:
@@ -23,8 +35,7 @@ def write_outputs(root: Path, report: Path | None = None, comm_csvs: tuple[Path,
     rows = collect(root)
     comm = [r for path in comm_csvs for r in read_csv(path)]  # before anything is written
     skipped_combinations(root)  # a damaged sweep.json stops here, before anything is written
-    check_replaceable(root / "results.csv", "csv")
-    check_replaceable(report or root / "report.html", "report")
+    check_outputs(root, report)
     for r in rows:  # the report's findings say it too, and do not compare their throughput
         if r.get("unreliable"):
             print(f"WARN: {r['series']} at {r['world_size']} rank(s) ({r['source']}): timings "

@@ -2,7 +2,9 @@
 
 One series per strategy (plus whatever else the sweep varied), x = number of ranks. Every figure
 is described in plots/index.json (title, axis labels, series) so that reports and tests can read
-what was drawn.
+what was drawn. The directory is claimed (dtlab.owned, kind "plot") before anything is drawn: a
+file of one of the names plot writes that an earlier plot did not write there is refused, and
+every file is recorded before it is written, so that the next plot may replace it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dtlab import owned
 from dtlab.errors import DtlabError
 
 MiB = 1024 * 1024
+# Every figure plot_results can draw: the names it may write are claimed whole before the data
+# decides which are drawn (a user's throughput.png is refused even where this plot draws none).
+FIGURES = ("epoch_time", "throughput", "scaling_efficiency", "val_loss", "val_acc", "peak_memory",
+           "state_bytes", "comm_share", "busbw")
+EXTENSIONS = ("png", "svg")
+WRITES = ("index.json", *(f"{name}.{ext}" for name in FIGURES for ext in EXTENSIONS))
+
+
+def claim_plots(out_dir: Path, flag: str = "-o/--output",
+                elsewhere: str = "choose another directory") -> owned.Owned:
+    """The right to write plot's files into out_dir (NotOurs, in one line, when a file of theirs
+    there is not plot's); writes nothing."""
+    return owned.claim(Path(out_dir), "plot", "plot", WRITES, flag, elsewhere=elsewhere)
 
 
 def _pyplot() -> Any:
@@ -59,9 +75,8 @@ def scaling(points: list[tuple[float, float]]) -> list[tuple[float, float, float
 
 
 class Figures:
-    def __init__(self, out_dir: Path) -> None:
-        self.plt, self.out_dir, self.index = _pyplot(), Path(out_dir), []
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, out_dir: Path, mine: owned.Owned) -> None:
+        self.plt, self.out_dir, self.index, self.mine = _pyplot(), Path(out_dir), [], mine
 
     def line(self, name: str, title: str, xlabel: str, ylabel: str,
              data: dict[str, list[tuple[float, float]]], logy: bool = False,
@@ -96,7 +111,10 @@ class Figures:
     def save(self, fig: Any, name: str, title: str, xlabel: str, ylabel: str,
              series: list[str]) -> None:
         fig.tight_layout()
-        files = [f"{name}.{ext}" for ext in ("png", "svg")]
+        if name not in FIGURES:  # its files would be written unclaimed
+            raise AssertionError(f"figure '{name}' is missing from plot.FIGURES")
+        files = [f"{name}.{ext}" for ext in EXTENSIONS]
+        self.mine.add(*files)  # recorded first: a write cut short is still ours to replace
         for file in files:
             fig.savefig(self.out_dir / file)
         self.plt.close(fig)
@@ -125,7 +143,9 @@ def plot_results(rows: list[dict[str, Any]], out_dir: Path,
     if rows and not any("world_size" in r for r in rows):
         raise DtlabError("the results have no world_size column; fix: pass a CSV written by "
                          "`dtlab collect`")
-    f = Figures(out_dir)
+    mine = claim_plots(out_dir)  # callers with another flag claim first, with their own words
+    mine.add()  # the directory and its record, before the first figure
+    f = Figures(out_dir, mine)
     ranks = "number of ranks"
     f.line("epoch_time", "Time per epoch", ranks, "time per epoch (s, log scale)",
            series_points(rows, "epoch_time_s"), logy=True)
@@ -153,6 +173,7 @@ def plot_results(rows: list[dict[str, Any]], out_dir: Path,
            {k: [(n, 100 * c) for n, c in v] for k, v in series_points(rows, "comm_share").items()})
     if comm_rows:
         plot_busbw(f, comm_rows)
+    mine.add("index.json")
     (Path(out_dir) / "index.json").write_text(json.dumps(f.index, indent=2) + "\n")
     return f.index
 

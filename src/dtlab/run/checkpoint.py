@@ -235,7 +235,7 @@ def save(run_dir: Path, step: int, tensors: dict[str, Any], manifest: dict[str, 
     The ranks agree after each phase (prepare, write the shards, publish), so that a failure on
     any rank (a full disk, a read-only mount) stops every rank at the same point with one message,
     and the half-written directory is removed; the previous checkpoint is never touched. `watch`
-    (run_owner.DirectoryWatch): a run directory deleted or replaced meanwhile gets nothing."""
+    (dir_watch.DirectoryWatch): a run directory deleted or replaced meanwhile gets nothing."""
     import torch.distributed.checkpoint as dcp  # here, not at start-up (DCP imports DTensor)
 
     root = checkpoint_root(run_dir)

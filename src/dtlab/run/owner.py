@@ -8,12 +8,13 @@ change on resume (RESUMABLE). Before any rank starts (`check_start`):
   checkpoints are never pruned, or later resumed, together with an older run's;
 - a resume (auto or PATH) continues only a run whose config differs in RESUMABLE keys at most,
   and only in a directory whose checkpoints are that run's.
-While the run trains, its directory is watched (`DirectoryWatch`): deleted or replaced, the run
-stops at the next step boundary, and nothing recreates it.
+While the run trains, its directory is watched (dir_watch.py), and held by one process at a
+time (dir_lock.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -23,9 +24,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from dtlab import files
+from dtlab import files, owned
 from dtlab.config.load import flatten
-from dtlab.errors import ConfigError, DtlabError, PeerError, RunError
+from dtlab.errors import ConfigError, DtlabError
+from dtlab.run.data_identity import data_changes, data_identity
+from dtlab.run.dir_watch import DirectoryWatch
 from dtlab.rundir.checkpoints import (
     CheckpointError,
     checkpoint_root,
@@ -51,6 +54,8 @@ RESUMABLE = ("resume", "run", "strategy", "train.max_steps", "train.epochs", "tr
 OUTPUTS = ("checkpoints", "metrics.jsonl", "metrics.jsonl.tmp", "progress", "summary.json",
            "summary.json.tmp", "model.safetensors", "tb", "trace_rank*.json", "profile", "memory",
            "flight_recorder/*")
+# The same, as names directly under run.dir: a user's file there under one of them is refused.
+OUTPUT_NAMES = tuple(p.split("/")[0] for p in OUTPUTS)
 
 
 # ------------------------------------------------------------------------------ the run's record
@@ -74,7 +79,7 @@ def fingerprint(config: dict[str, Any]) -> str:
 
 def record(run_id: str, config: dict[str, Any]) -> dict[str, Any]:
     """The manifest's `run` entry."""
-    return {"id": run_id, "fingerprint": fingerprint(config)}
+    return {"id": run_id, "fingerprint": fingerprint(config), "data": data_identity(config)}
 
 
 def run_id_of(manifest: dict[str, Any]) -> str | None:
@@ -125,6 +130,7 @@ def check_start(cfg: Any) -> None:
         raise ConfigError(f"run.dir '{run_dir}' holds '{root.name}', which is not a directory: "
                           "that is where the run keeps its checkpoints; fix: move that file "
                           "away, or choose another run.dir")
+    check_owned(cfg)
     if cfg.resume == "none":
         found = earlier_outputs(run_dir)
         if found and not cfg.run.overwrite:
@@ -148,6 +154,13 @@ def check_start(cfg: Any) -> None:
                 "continue; fix: move the other run's checkpoints out, or resume=PATH to one")
         found = complete_checkpoints(run_dir, warn=False)
         target = found[-1][1] if found else None
+        earlier = earlier_outputs(run_dir)
+        if target is None and earlier and not cfg.run.overwrite:
+            raise ConfigError(
+                f"run.dir '{run_dir}' holds an earlier run ({', '.join(earlier)}) and no "
+                f"checkpoint to continue it from: {why_no_checkpoint(run_dir)}; resume=auto would "
+                "start over and delete it; fix: run.overwrite=true to start over, or set "
+                "another run.dir")
     else:  # resume=PATH: into its own run directory, or one without another run's files
         target = Path(cfg.resume)
         theirs = run_id_of((manifest_json(target) or {}) if target.is_dir() else {})
@@ -163,6 +176,74 @@ def check_start(cfg: Any) -> None:
         check_config(manifest, cfg.model_dump(mode="json"), target, run_dir)
 
 
+def check_owned(cfg: Any) -> None:
+    """run.dir holds nothing a run would replace that no dtlab run wrote: another command's
+    output, or the user's own files under the names of a run's outputs."""
+    run_dir = cfg.run.run_dir
+    record = owned.read(run_dir)
+    if record is not None and record["kind"] != "run":
+        raise ConfigError(f"run.dir '{run_dir}' holds the output of dtlab {record['kind']}, not a "
+                          "run; fix: choose another run.dir (a new folder inside it will do)")
+    if record is not None or _earlier_dtlab_run(run_dir) or cfg.run.overwrite:
+        return
+    foreign = owned.unrecorded(run_dir, OUTPUT_NAMES, None)
+    if foreign:
+        them = "it" if len(foreign) == 1 else "them"
+        raise ConfigError(f"run.dir '{run_dir}' holds {owned.shown(foreign)}, which no dtlab run "
+                          f"recorded writing there and a run would replace; fix: move {them} away, "
+                          f"run.overwrite=true to delete {them}, or choose another run.dir")
+
+
+def _earlier_dtlab_run(run_dir: Path) -> bool:
+    """Checkpoints a dtlab run wrote before runs kept a record: their manifests name the run."""
+    return any(run_id_of(manifest_json(p) or {}) for _, p in complete_checkpoints(run_dir, False))
+
+
+def why_no_checkpoint(run_dir: Path) -> str:
+    """What became of an earlier run's checkpoints, as far as run.dir tells."""
+    root = checkpoint_root(run_dir)
+    record = owned.read(run_dir) or {}
+    saved = record.get("last_checkpoint")
+    kept = f" (it had saved step {saved})" if isinstance(saved, int) else ""
+    if not root.is_dir():
+        return (f"checkpoints/ was deleted{kept}" if kept else
+                "it saved none (train.checkpoint_every)")
+    names = sorted(p.name for p in root.iterdir())
+    steps = [n for n in names if n.startswith("step_")]
+    if steps:
+        return (f"{owned.shown(steps, 2)} {'has' if len(steps) == 1 else 'have'} no manifest "
+                "(emptied or changed outside dtlab)")
+    if names:
+        return "its last save was cut short (only a .tmp- directory is left)"
+    return f"checkpoints/ was emptied{kept}" if kept else "checkpoints/ is empty"
+
+
+class RunComplete(DtlabError):
+    """A finished run started again with nothing left to train: said in one line, exit 0."""
+
+    exit_code = 0
+
+
+def summary_step(run_dir: Path) -> int | None:
+    """The last step run.dir's summary describes (None without a readable summary)."""
+    try:
+        s = json.loads((Path(run_dir) / "summary.json").read_text())
+        return int((s.get("resumed_from") or {}).get("step", 0)) + int(s["steps"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def note_checkpoint(run_dir: Path, run_id: str, step: int) -> None:
+    """Rank 0, after a checkpoint is published: the run's record keeps its last step, so that a
+    later start can say what became of checkpoints that went missing (why_no_checkpoint)."""
+    rec = owned.read(run_dir)
+    if rec is None or rec.get("kind") != "run" or rec.get("owner") != run_id:
+        return
+    extra = {k: v for k, v in rec.items() if k not in ("kind", "owner", "entries")}
+    with contextlib.suppress(DtlabError):  # the checkpoint itself is safe: only the note is lost
+        owned.Owned(Path(run_dir), "run", run_id, set(rec["entries"]), extra).add(last_checkpoint=step)
+
+
 def inside(checkpoint: Path, run_dir: Path) -> bool:
     """Whether `checkpoint` is one of run_dir's own."""
     return checkpoint_root(run_dir).resolve() == Path(checkpoint).resolve().parent
@@ -171,6 +252,13 @@ def inside(checkpoint: Path, run_dir: Path) -> bool:
 def check_config(manifest: dict[str, Any], config: dict[str, Any], path: Path,
                  run_dir: Path) -> None:
     """Refuse to resume a checkpoint written with another config (keys outside RESUMABLE)."""
+    changed = data_changes((manifest.get("run") or {}).get("data"), data_identity(config))
+    if changed:
+        raise CheckpointError(
+            f"checkpoint '{path}' was trained on other data than data.dir "
+            f"'{(config.get('data') or {}).get('dir')}' holds now: {changed} changed since (e.g. "
+            "`dtlab prepare` run again on other text); fix: resume with the data it was trained "
+            f"on, or {start_over(run_dir)}")
     differ = differences(manifest["config"], config)
     if differ:
         raise CheckpointError(
@@ -195,81 +283,10 @@ def begin(run: Any, ctx: Any, cfg: Any, resumed_from: Path | None,
         try:
             if resumed_from is None or (cfg.run.overwrite and not inside(resumed_from, run_dir)):
                 clear_outputs(run_dir)
-            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            # Recorded before the first output is written: whatever this run leaves is its own.
+            owned.Owned(Path(run_dir), "run", run.run_id, set(OUTPUT_NAMES)).add()
         except OSError as e:
             raise DtlabError(files.describe(e, f"removing an earlier run's files from run.dir "
                                                f"'{run_dir}'", "run.dir")) from None
         watch.start()
     run.watch = watch
-
-
-# ------------------------------------------------------------------ a directory that disappears
-GONE = 1 << 10  # in the ranks' stop agreement: above every signal number
-
-
-class RunDirGone(RunError):
-    """The run directory was deleted or replaced while the run trained."""
-
-
-class PeerSawRunDirGone(PeerError):
-    exit_code = 1
-
-
-class DirectoryWatch:
-    """The run directory as it was when the run began (its device and inode). Rank 0 watches
-    (it writes the run's files); the ranks learn of it in their stop agreement."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path, self.ident = Path(run_dir), None
-        self.lost = False
-
-    def start(self) -> None:
-        self.ident = _ident(self.path)
-
-    def problem(self) -> str | None:
-        if self.ident is None:
-            return None
-        now = _ident(self.path)
-        if now == self.ident:
-            return None
-        return "was deleted" if now is None else "was replaced by another directory"
-
-    def intact(self) -> bool:
-        """Whether the run may still write there (a failure's records, the stop's line)."""
-        return not self.lost and self.problem() is None
-
-    def stop(self, ctx: Any, step: int, what: str | None) -> None:
-        """Raise on every rank (RunDirGone on rank 0, which says it)."""
-        self.lost = True
-        if not ctx.is_main:
-            raise PeerSawRunDirGone("rank 0 found the run directory gone")
-        raise RunDirGone(self.line(step, what))
-
-    def require(self, step: int) -> None:
-        """Rank 0, right before it writes into the run directory: RunDirGone if it is gone."""
-        what = self.problem()
-        if what:
-            self.lost = True
-            raise RunDirGone(self.line(step, what))
-
-    def line(self, step: int, what: str | None) -> str:
-        return (f"run.dir '{self.path}' {what or 'was deleted or replaced'} during the run; it "
-                f"stopped after step {step} and wrote nothing more; fix: leave run.dir in place "
-                "while a run uses it (to start over, run.overwrite=true or another run.dir)")
-
-
-def _ident(path: Path) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino)
-
-
-def check_directory(ctx: Any, watch: DirectoryWatch | None, step: int) -> None:
-    """Collective: stop every rank when rank 0 found the run directory gone."""
-    if watch is None:
-        return
-    what = watch.problem()
-    if ctx.agree_stop(GONE if what else 0) >= GONE:
-        watch.stop(ctx, step, what)

@@ -18,7 +18,7 @@ from torch import nn
 
 from dtlab.data import DataSpec, SampleUsage
 from dtlab.instruments.machine_load import LoadProbe
-from dtlab.run.owner import DirectoryWatch
+from dtlab.run.dir_watch import DirectoryWatch
 from dtlab.run.step import Stepper
 from dtlab.strategies.base import StepEngine, Strategy
 

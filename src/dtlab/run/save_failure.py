@@ -14,7 +14,7 @@ import torch
 
 from dtlab import files
 from dtlab.errors import PeerError, RunError
-from dtlab.run.owner import RunDirGone
+from dtlab.run.dir_watch import RunDirGone
 from dtlab.rundir.checkpoints import checkpoint_root, complete_checkpoints
 from dtlab.rundir.hints import intact_note
 

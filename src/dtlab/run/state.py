@@ -8,7 +8,7 @@ from typing import Any
 from dtlab.config import Config
 from dtlab.distributed import DistContext
 from dtlab.errors import PeerError
-from dtlab.run import checkpoint
+from dtlab.run import checkpoint, dir_watch
 from dtlab.run import owner as run_owner
 from dtlab.run.run_state import RunState, Training
 
@@ -56,7 +56,7 @@ def resume_path(cfg: Config, run_dir: Path, ctx: DistContext) -> Path | None:
 
 def save(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> Path:
     """A checkpoint of this step, recording this run (never into a run directory that is gone)."""
-    run_owner.check_directory(ctx, run.watch, run.step)
+    dir_watch.check_directory(ctx, run.watch, run.step)
     config = cfg.model_dump(mode="json")
     model_sd, optim_sd = tr.strategy.state_dict(tr.model, tr.optimizer, full=False)  # local shards
     scaler = tr.engine.scaler
@@ -68,8 +68,11 @@ def save(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> Path:
         "param_groups": optim_sd["param_groups"],  # hyper-parameters: JSON, not pickle
     }
     tensors = {"model": model_sd, "optim": optim_sd["state"]}
-    return checkpoint.save(Path(cfg.run.dir), run.step, tensors, manifest, ctx,
+    path = checkpoint.save(Path(cfg.run.dir), run.step, tensors, manifest, ctx,
                            cfg.train.keep_checkpoints, tr.stepper.fault, run.watch)
+    if ctx.is_main:
+        run_owner.note_checkpoint(Path(cfg.run.dir), run.run_id, run.step)
+    return path
 
 
 def load(path: Path, cfg: Config, ctx: DistContext, tr: Training) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from dtlab.distributed import DistContext
 from dtlab.process import interrupt
 from dtlab.process.interrupt import Interrupted
 from dtlab.run import checkpoint, state
-from dtlab.run.owner import GONE
+from dtlab.run.dir_watch import GONE
 from dtlab.run.run_state import RunState, Training
 from dtlab.run.sweep_record import now, read_record, update_record
 from dtlab.rundir.hints import resume_hint

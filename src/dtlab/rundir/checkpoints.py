@@ -32,9 +32,12 @@ def complete_checkpoints(run_dir: Path, warn: bool = True) -> list[tuple[int, Pa
         m = STEP_DIR.match(path.name)
         if m and (path / MANIFEST).is_file():
             found.append((int(m.group(1)), path))
-        elif warn and path.name.startswith((".tmp-", "step_")):
+        elif warn and path.name.startswith(".tmp-"):
             print(f"dtlab: warning: ignoring incomplete checkpoint {path} (a save was interrupted)",
                   file=sys.stderr)
+        elif warn and path.name.startswith("step_"):  # a save publishes its manifest with it
+            print(f"dtlab: warning: ignoring checkpoint {path}: it has no {MANIFEST} (emptied or "
+                  "changed outside dtlab)", file=sys.stderr)
     return sorted(found)
 
 

@@ -6,18 +6,25 @@ results land in OUT/results.csv, OUT/plots/ and OUT/report.html. A stop signal s
 run (locally: passed on to its process group; on SLURM: its jobs are cancelled), marks it
 `interrupted` and ends the sweep with one line; running the sweep again continues it.
 
+The output directory belongs to one spec, by its resolved path and content (dtlab.owned, kind
+"sweep"): another spec, or this one edited, is refused there before anything is written, so that
+two sweeps' runs never count, plot and report as one. (A requeued SLURM job runs `dtlab train`
+in its run directory, not the sweep: it claims nothing.)
+
 A command: may import every layer below the commands (results, the run's record, process control,
 config, the ground); never another command.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shlex
 import time
 from pathlib import Path
 
+from dtlab import owned
 from dtlab.config import to_yaml
 from dtlab.process import interrupt
 from dtlab.process.interrupt import Interrupted
@@ -67,6 +74,7 @@ def run_sweep(spec_path: str, launcher: str, dry_run: bool, out: str | None,
     out_dir = Path(out) if out else Path("sweeps") / Path(spec_path).stem
     timeout = timeout_s or spec.timeout_s
     plans = expand(spec, out_dir, launcher)
+    mine = claim(out_dir, spec_path, out)  # before is_done reads another sweep's runs as ours
     valid = [p for p in plans if not p.invalid]
     finished = [p for p in valid if is_done(p.run_dir)]
     todo = [p for p in valid if p not in finished]
@@ -83,6 +91,7 @@ def run_sweep(spec_path: str, launcher: str, dry_run: bool, out: str | None,
             print(f"  {what}: {p.label} [{p.key}]\n      {how}")
         return 0
 
+    mine.add("sweep.json", "runs")
     write_plan(out_dir, spec, plans, launcher)
     for p in todo:
         p.run_dir.mkdir(parents=True, exist_ok=True)
@@ -114,6 +123,20 @@ def run_sweep(spec_path: str, launcher: str, dry_run: bool, out: str | None,
             f"; `{again}` continues the sweep (finished runs are kept)"
         raise
     return finish(out_dir, valid)
+
+
+def claim(out_dir: Path, spec_path: str, out: str | None) -> owned.Owned:
+    """The output directory for this spec, owned by its resolved path and content (NotOurs when
+    it holds another's), and the report's outputs there checked: nothing is written."""
+    path = Path(spec_path).resolve()
+    digest = hashlib.sha256(str(path).encode() + b"\0" + path.read_bytes()).hexdigest()[:16]
+    flag = "--out" if out else "the sweep's output directory"
+    mine = owned.claim(out_dir, "sweep", digest, ("sweep.json", "runs"), flag, whose=str(path),
+                       elsewhere="give this spec its own --out DIR")
+    from dtlab.results import check_outputs  # the results layer: imported when used
+
+    check_outputs(out_dir)  # the results it writes at the end: refused now, before any run
+    return mine
 
 
 def rerun_command(spec_path: str, launcher: str, out: str | None, timeout_s: float | None,

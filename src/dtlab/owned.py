@@ -1,0 +1,147 @@
+"""What dtlab wrote, and may therefore replace (docs/reliability.md#what-dtlab-may-delete).
+
+Every command that writes a directory (a run, compare, sweep, plot, report) keeps a record
+there, `.dtlab-owner.json`: the kind of output, whose it is (a run's id, a sweep spec's path and
+content) and the entries it wrote. A command replaces or deletes only entries its own kind and
+owner recorded. Before it writes anything it claims the directory (`claim`), which is refused
+in one line when
+- the record names another kind or owner: the directory holds another command's output;
+- an entry it is about to write exists and no record names it: the user's own file, or output
+  of an older dtlab that kept no record.
+Everything else in the directory is left as it is: a user's notes beside a run stay untouched.
+
+One record, one kind and owner, per directory. Outputs that other commands add to a directory
+(`dtlab report` into a sweep's or a compare's: results.csv, report.html, plots/) are not entered
+in its record: a single file is replaced only over an earlier output of its kind
+(`dtlab.atomic_write.check_replaceable` reads its first bytes), and plots/ is a directory of its
+own, with its own record (kind "plot"). So a sweep's or a compare's record never has to admit a
+second kind, and a report written there never stands in the way of their next run.
+
+Only the standard library and the ground (`dtlab.errors`, `dtlab.files`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dtlab.errors import DtlabError
+from dtlab.files import describe
+
+RECORD = ".dtlab-owner.json"
+
+
+class NotOurs(DtlabError):
+    """A directory, or entries in it, that this command did not write."""
+
+
+def read(directory: Path) -> dict[str, Any] | None:
+    """The directory's record, None when it has none (or one that cannot be read)."""
+    try:
+        record = json.loads((Path(directory) / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(record, dict) and isinstance(record.get("kind"), str) and \
+        isinstance(record.get("entries"), list)
+    return record if ok else None
+
+
+@dataclass
+class Owned:
+    """A directory this command may write: `entries` are what it (or its earlier runs of the
+    same kind and owner) recorded writing there."""
+
+    path: Path
+    kind: str
+    owner: str
+    entries: set[str] = field(default_factory=set)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, *names: str, **extra: Any) -> None:
+        """Record entries (names directly under the directory) as written, before they are
+        written: a process killed in between leaves them recorded, so that the next run may
+        replace what it left. The directory is created when missing."""
+        self.entries.update(names)
+        self.extra.update(extra)
+        record = {"kind": self.kind, "owner": self.owner, "entries": sorted(self.entries),
+                  **self.extra}
+        target = self.path / RECORD
+        tmp = self.path / f"{RECORD}.{os.getpid()}.tmp"
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(record, indent=1) + "\n")
+            os.replace(tmp, target)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise DtlabError(describe(e, f"writing '{target}'", str(self.path))) from None
+
+    def owns(self, name: str) -> bool:
+        return name in self.entries
+
+    def remove(self, name: str) -> None:
+        """Delete an entry this kind and owner recorded; anything else is left alone."""
+        if not self.owns(name):
+            return
+        path = self.path / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            path.unlink()
+
+
+def unrecorded(directory: Path, patterns: Iterable[str], record: dict[str, Any] | None) -> list[str]:
+    """Entries of `directory` that match `patterns` (glob patterns of names directly under it)
+    and that no record names."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    recorded = set(record["entries"]) if record else set()
+    names = sorted(p.name for p in directory.iterdir() if p.name != RECORD)
+    return [n for n in names if n not in recorded and
+            any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
+
+
+def shown(names: list[str], most: int = 4) -> str:
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
+def claim(directory: Path, kind: str, owner: str, writes: Iterable[str], flag: str,
+          whose: str = "", elsewhere: str = "choose another directory") -> Owned:
+    """The right to write `writes` (glob patterns of names directly under `directory`) there,
+    refused with NotOurs before anything is written (see the module's docstring); claiming
+    writes nothing. `flag`: how the user named the directory (e.g. "--out"); `whose`: the owner
+    as the user knows it (a spec's path), said when another owner's output is in the way;
+    `elsewhere`: the fix that writes somewhere else ("" where the command has no such choice)."""
+    directory = Path(directory)
+    if os.path.lexists(directory) and not directory.is_dir():
+        raise NotOurs(f"{flag} '{directory}' is a file, not a directory; fix: move it away"
+                      f"{', or ' + elsewhere if elsewhere else ''}")
+    record = read(directory)
+    if record is not None and (record.get("kind"), record.get("owner")) != (kind, owner):
+        theirs = str(record.get("whose") or record.get("owner") or "?")
+        if whose and theirs == whose:  # one path, another content: the file was edited since
+            theirs, whose = f"{whose} as it was then", f"{whose} as it is now"
+        mine = f" ({whose})" if whose else ""
+        raise NotOurs(f"{flag} '{directory}' holds the output of dtlab {record['kind']} "
+                      f"({theirs}), not of this {kind}{mine}, and writing there would mix the two; "
+                      f"fix: {elsewhere + ', or ' if elsewhere else ''}delete that directory first")
+    found = unrecorded(directory, writes, record)
+    if found:
+        them = "it" if len(found) == 1 else "them"
+        raise NotOurs(f"{flag} '{directory}' holds {shown(found)}, which dtlab {kind} did not "
+                      f"write there and would replace; fix: move {them} away"
+                      f"{', or ' + elsewhere if elsewhere else ''}")
+    entries = set(record["entries"]) if record else set()
+    # what the owner noted besides (e.g. a run's last checkpoint) is kept, not lost on rewrite
+    extra = {k: v for k, v in (record or {}).items() if k not in ("kind", "owner", "entries")}
+    extra.update({"whose": whose} if whose else {})
+    return Owned(directory, kind, owner, entries, extra)

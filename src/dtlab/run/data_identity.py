@@ -1,0 +1,42 @@
+"""What identifies the data a run trains on beyond its config, recorded in each checkpoint's
+manifest (owner.record) and compared on resume (owner.check_config): a resume over token files
+that `dtlab prepare` rewrote with other text is refused, naming the files that changed."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+
+def data_identity(config: dict[str, Any]) -> dict[str, Any] | None:
+    """What identifies the data a run trains on beyond its config: the token files' sizes and
+    sha256 as `dtlab prepare` recorded them in meta.json (their sizes where it did not). Other
+    data sets are named by the config alone (synthetic: its settings; MNIST, CIFAR-10: fixed)."""
+    data = config.get("data") or {}
+    if data.get("name") != "tokens" or not data.get("dir"):
+        return None
+    folder = Path(data["dir"]).expanduser()
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        recorded = meta.get("files") if isinstance(meta, dict) else None
+    except (OSError, ValueError):
+        recorded = None
+    out = {}
+    for name in ("train.bin", "val.bin"):
+        entry = recorded.get(name) if isinstance(recorded, dict) else None
+        if isinstance(entry, dict) and entry.get("sha256"):
+            out[name] = {"bytes": entry.get("bytes"), "sha256": entry["sha256"]}
+        else:
+            with contextlib.suppress(OSError):
+                out[name] = {"bytes": (folder / name).stat().st_size}
+    return out
+
+
+def data_changes(saved: Any, now: Any) -> str:
+    """Which token files differ between a checkpoint's data and data.dir's now; '' when none."""
+    if not isinstance(saved, dict) or not isinstance(now, dict):
+        return ""
+    return ", ".join(f"{name} ({'sha256' if 'sha256' in saved[name] else 'size'})"
+                     for name in sorted(saved) if saved[name] != now.get(name))
