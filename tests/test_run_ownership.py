@@ -42,6 +42,19 @@ def test_a_users_files_under_a_runs_output_names_are_refused_whatever_resume_say
                     "away, run.overwrite=true to delete them, or choose another run.dir"), said
 
 
+def test_a_users_config_yaml_in_run_dir_is_refused_unless_the_run_reads_it(tmp_path: Path) -> None:
+    """The run writes its resolved config to run.dir/config.yaml: a user's own file there
+    would lose its comments and keys; a sweep's run reads its config from that very file."""
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "config.yaml").write_text("# my notes\ntrain: {max_steps: 1}\n")
+    said = refused(["train", *QUICK, "run.dir=r"], tmp_path)
+    assert said.startswith("dtlab: error: run.dir 'r' holds config.yaml, which no dtlab run "
+                           "recorded writing there"), said
+    proc = dtlab("train", "--config", "r/config.yaml", *QUICK, "run.dir=r", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_overwrite_deletes_a_runs_outputs_and_nothing_else(tmp_path: Path) -> None:
     run = tmp_path / "r"
     run.mkdir()

@@ -104,16 +104,16 @@ def build(cfg: Config, ctx: DistContext) -> tuple[Training, Any, TrainLoader, Ev
     return training, train_set, loader, val_loader
 
 
-def check_paths(cfg: Config) -> None:
+def check_paths(cfg: Config, config: str | None = None) -> None:
     """Before any rank starts: the model's source and data.dir can be read, the run directory can
-    be written and holds no other run to mix this one with."""
+    be written and holds no other run to mix this one with (`config`: the --config file)."""
     check_model(cfg.model)
     check_model_size(cfg)
     if cfg.train.lora.rank:
         lora.require_peft()
     check_data_dir(cfg)
     files.check_writable_dir(cfg.run.run_dir, "run.dir")
-    run_owner.check_start(cfg)
+    run_owner.check_start(cfg, config)
 
 
 def total_steps(cfg: Config, loader: TrainLoader) -> int:
@@ -331,7 +331,7 @@ def _run(config: str | None, overrides: list[str], env: Any) -> int:
             check_environment(cfg)
             if env.rank == 0:  # the run directory's lock, unless this rank's launcher holds it
                 lock.enter_context(dir_lock.held(cfg.run.run_dir))
-            check_paths(cfg)
+            check_paths(cfg, config)
         except DtlabError as e:
             if env.rank == 0:  # every rank finds the same problem: say it once
                 print(f"dtlab: error: {e}", file=sys.stderr)

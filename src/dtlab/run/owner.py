@@ -120,8 +120,9 @@ def restarted() -> bool:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
 
 
-def check_start(cfg: Any) -> None:
-    """Before any rank starts: refuse to mix this run with another one in run.dir (DtlabError)."""
+def check_start(cfg: Any, config: str | None = None) -> None:
+    """Before any rank starts: refuse to mix this run with another one in run.dir (DtlabError).
+    `config`: the file the run's config was read from (--config)."""
     run_dir = cfg.run.run_dir
     if not Path(run_dir).is_dir() or restarted():
         return
@@ -130,7 +131,7 @@ def check_start(cfg: Any) -> None:
         raise ConfigError(f"run.dir '{run_dir}' holds '{root.name}', which is not a directory: "
                           "that is where the run keeps its checkpoints; fix: move that file "
                           "away, or choose another run.dir")
-    check_owned(cfg)
+    check_owned(cfg, config)
     if cfg.resume == "none":
         found = earlier_outputs(run_dir)
         if found and not cfg.run.overwrite:
@@ -176,9 +177,11 @@ def check_start(cfg: Any) -> None:
         check_config(manifest, cfg.model_dump(mode="json"), target, run_dir)
 
 
-def check_owned(cfg: Any) -> None:
+def check_owned(cfg: Any, config: str | None = None) -> None:
     """run.dir holds nothing a run would replace that no dtlab run wrote: another command's
-    output, or the user's own files under the names of a run's outputs."""
+    output, or the user's own files under the names of a run's outputs. The run writes its
+    resolved config to config.yaml: one there is refused too, unless it is the file the run is
+    configured from (a sweep's run, or a run started again from its own config.yaml)."""
     run_dir = cfg.run.run_dir
     record = owned.read(run_dir)
     if record is not None and record["kind"] != "run":
@@ -186,7 +189,10 @@ def check_owned(cfg: Any) -> None:
                           "run; fix: choose another run.dir (a new folder inside it will do)")
     if record is not None or _earlier_dtlab_run(run_dir) or cfg.run.overwrite:
         return
-    foreign = owned.unrecorded(run_dir, OUTPUT_NAMES, None)
+    own_config = config is not None and \
+        Path(config).resolve() == (Path(run_dir) / "config.yaml").resolve()
+    foreign = owned.unrecorded(run_dir, OUTPUT_NAMES + (() if own_config else ("config.yaml",)),
+                               None)
     if foreign:
         them = "it" if len(foreign) == 1 else "them"
         raise ConfigError(f"run.dir '{run_dir}' holds {owned.shown(foreign)}, which no dtlab run "
