@@ -8,20 +8,42 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
 from dtlab.errors import DtlabError
 
+# The metavars (or, without one, the upper-cased names) of the arguments that name a file or a
+# directory: `~` in them is expanded, as a shell expands it at the start of a word only (it leaves
+# `--out=~/x`, a quoted '~/x' and a path from a script alone), never a directory named `~`.
+PATH_METAVARS = frozenset({"FILE", "DIR", "PATH", "CSV", "HTML", "RESULTS", "RESULTS_CSV",
+                           "COMM_CSV", "CHECKPOINT", "RUN_DIR", "RUN_OR_CHECKPOINT", "INPUT",
+                           "NAME|FILE", "SPEC"})
+
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with its errors on one line (the usage block stays in --help) and option help
-    that ends with the default."""
+    """argparse, with its errors on one line (the usage block stays in --help), option help
+    that ends with the default, and `~` expanded in paths (PATH_METAVARS)."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def parse_known_args(self, args: object = None,  # type: ignore[override]
+                         namespace: object = None) -> tuple[argparse.Namespace, list[str]]:
+        namespace, extras = super().parse_known_args(args, namespace)  # type: ignore[arg-type]
+        for action in self._actions:
+            if (action.metavar or action.dest.upper()) not in PATH_METAVARS:
+                continue
+            value = getattr(namespace, action.dest, None)
+            if isinstance(value, str):
+                setattr(namespace, action.dest, os.path.expanduser(value))
+            elif isinstance(value, list):
+                setattr(namespace, action.dest,
+                        [os.path.expanduser(v) if isinstance(v, str) else v for v in value])
+        return namespace, extras
 
     def error(self, message: str) -> NoReturn:
         fix = "" if "fix:" in message else f"; fix: see `{self.prog} --help`"

@@ -26,7 +26,8 @@ from dtlab.cli_args import (
 )
 from dtlab.config import check_environment, check_world, load_config, to_yaml, valid_keys
 from dtlab.errors import DtlabError
-from dtlab.process.interrupt import Interrupted, handling, report
+from dtlab.process.early_exit import finishing
+from dtlab.process.interrupt import Interrupted, handling, lost, report
 from dtlab.process.result_stdout import stdout_kept_for_result
 
 
@@ -326,22 +327,42 @@ def main(argv: list[str] | None = None) -> int:
     # number (dtlab/process/interrupt.py; docs/reliability.md#signals). A `--json` answer owns
     # stdout: whatever else is printed meanwhile goes to stderr (`dtlab comm --json FILE` names a
     # file, not this flag).
+    # Once the code is known, a signal ends the process at once (early_exit.finishing): marked
+    # while the handlers are still ours, so that no moment is left for a KeyboardInterrupt.
     with handling(), stdout_kept_for_result(getattr(args, "json", None) is True):
         try:
-            return args.func(args)
-        except DtlabError as e:
-            print(f"dtlab: error: {e}", file=sys.stderr)
-            return e.exit_code
-        except Interrupted as e:
-            return report(e)
-        except BrokenPipeError:  # output piped into `head` and the like
-            sys.stderr.close()
-            return 0
+            code = _command(args)
+            finishing(code)
+        except Interrupted as e:  # the signal came as the command returned
+            code = report(e)
+            finishing(code)
+        return code
+
+
+def _command(args: argparse.Namespace) -> int:
+    try:
+        code = args.func(args)
+    except DtlabError as e:
+        print(f"dtlab: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except Interrupted as e:
+        return report(e)
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
+    except Exception:
+        stop = lost()  # a stop whose Interrupted a library dropped: what broke next is its doing
+        if stop is None:
+            raise
+        return report(stop)
+    stop = lost()
+    return report(stop) if stop is not None and code == 0 else code
 
 
 def entry() -> NoReturn:
-    """The `dtlab` command (and `python -m dtlab`): main(), then exit as distributed.leave() says
-    when this process ran a process group (a 1-rank run trains in this process)."""
+    """main(), then exit as distributed.leave() says when this process ran a process group (a
+    1-rank run trains in this process). The `dtlab` command and `python -m dtlab` start in
+    dtlab/__main__.py, which handles signals before this module's imports."""
     code = main()
     if "dtlab.distributed" in sys.modules:  # imported only by runs that may hold a group
         sys.modules["dtlab.distributed"].leave(code)

@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from dtlab.config.options import Section
+from dtlab.config.options import Section, UserPath
 from dtlab.config.strategies import registry
 from dtlab.config.transformers_config import hf_config
 from dtlab.errors import ConfigError
@@ -85,15 +85,9 @@ class HFOptions(Section):
     fields: with `path` they override its config.json, alone they need `model_type` and the model
     is initialised randomly from the seed)."""
 
-    path: str | None = None
+    path: UserPath | None = None
     config: dict[str, Any] | None = None
     dtype: Literal["fp32", "bf16"] = "fp32"  # the parameters' dtype (bf16: pure bf16 training)
-
-    @field_validator("path")
-    @classmethod
-    def _home(cls, value: str | None) -> str | None:
-        """~/models/x as a shell would read it (a quoted or YAML path reaches here unexpanded)."""
-        return str(Path(value).expanduser()) if value and value.startswith("~") else value
 
 
 class HFConfig(Section):
@@ -139,7 +133,7 @@ class SyntheticConfig(Section):
 
 class DataConfig(Section):
     name: Literal["synthetic", "cifar10", "mnist", "tokens"] = "synthetic"
-    dir: str = "data"
+    dir: UserPath = "data"
     download: bool = False
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
     train_limit: NonNegativeInt = 0  # use only the first N training samples (0 = all)
@@ -291,7 +285,7 @@ class WandbOptions(Section):
 
 
 class RunConfig(Section):
-    dir: str | None = None  # None = runs/<config name>-<strategy>
+    dir: UserPath | None = None  # None = runs/<config name>-<strategy>
     # a run that starts over (resume=none) deletes an earlier run's checkpoints, metrics and
     # summary in run.dir first; without it, it refuses to start beside them (dtlab/run/owner.py)
     overwrite: bool = False
@@ -372,7 +366,7 @@ class RunConfig(Section):
 
 class Config(Section):
     seed: int = 0
-    resume: str = "auto"  # auto: the latest complete checkpoint in run.dir; none; or a path
+    resume: UserPath = "auto"  # auto: the latest complete checkpoint in run.dir; none; or a path
     model: ModelConfig = Field(default_factory=CNNConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)

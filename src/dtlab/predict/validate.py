@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from typing import Any
 
 from dtlab.config.strategies import registry
@@ -39,39 +40,101 @@ def run_steps(predicted_s: float) -> int:
 def validate_rows(path: str | None, overrides: list[str], tokens: list[str], cluster: Any,
                   ranks: tuple[int, ...] = RANKS,
                   steps: int | None = None) -> list[dict[str, Any]]:
-    """Each (strategy, ranks): predicted, then run; `steps`: each run's (None: run_steps)."""
-    from dtlab.predict.core import Request, predict_step, strategy_config
+    """Each (strategy, ranks): predicted, then run; `steps`: each run's (None: run_steps).
+    A ConfigError, before anything is measured, when every one is refused."""
+    from dtlab.predict.core import predict_step
     from dtlab.predict.truth import measure_run
 
-    rows = []
+    rows = planned(path, overrides, tokens, ranks)
+    for row in rows:
+        if "skipped" in row:
+            continue
+        token, n = row["strategy"], row["ranks"]
+        predicted = predict_step(path, overrides, token, n, cluster)
+        run = steps or run_steps(predicted["step_s"])
+        measured = measure_run(path, [*overrides, *registry.parse(token)], n, run)
+        row.update(predicted_s=predicted["step_s"], measured_s=measured["step_s"], steps=run,
+                   error=predicted["step_s"] / measured["step_s"] - 1,
+                   sources=predicted["sources"], notes=predicted["notes"])
+    return rows
+
+
+def planned(path: str | None, overrides: list[str], tokens: list[str],
+            ranks: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Each (strategy, ranks), with why it is skipped where its config refuses that world; a
+    ConfigError when every one is: a validation of nothing is no answer."""
+    from dtlab.predict.core import Request, strategy_config
+
+    rows: list[dict[str, Any]] = []
     for token in tokens:
         for n in ranks:
+            row: dict[str, Any] = {"strategy": token, "ranks": n}
             try:
-                strategy_config(Request(path, overrides, n, n, cluster), token)
+                strategy_config(Request(path, overrides, n, n, None), token)
             except ConfigError as e:
-                rows.append({"strategy": token, "ranks": n, "skipped": str(e)})
-                continue
-            predicted = predict_step(path, overrides, token, n, cluster)
-            run = steps or run_steps(predicted["step_s"])
-            measured = measure_run(path, [*overrides, *registry.parse(token)], n, run)
-            error = predicted["step_s"] / measured["step_s"] - 1
-            rows.append({"strategy": token, "ranks": n, "predicted_s": predicted["step_s"],
-                         "measured_s": measured["step_s"], "steps": run, "error": error,
-                         "sources": predicted["sources"], "notes": predicted["notes"]})
+                row["skipped"] = str(e)
+            rows.append(row)
+    if all("skipped" in r for r in rows):
+        first = rows[0]
+        rest = [f"{r['strategy']} on {r['ranks']}" for r in rows[1:]]
+        others = f" (and so are {', '.join(rest)})" if rest else ""
+        raise ConfigError(f"--validate has nothing to run: {first['strategy']} on "
+                          f"{first['ranks']} ranks is refused{others}: {first['skipped']}")
     return rows
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     errors = [abs(r["error"]) for r in rows if "error" in r]
-    return {"rows": len(errors), "mean_abs_error": sum(errors) / len(errors) if errors else None,
+    # "validated", not "rows": the JSON answer's "rows" are the rows themselves
+    return {"validated": len(errors),
+            "mean_abs_error": sum(errors) / len(errors) if errors else None,
             "max_abs_error": max(errors, default=None)}
+
+
+def local_cluster(name: str | None, path: str | None, overrides: list[str]) -> Any:
+    """The cluster `name` (default cpu_gloo), refused unless it describes this machine: the runs
+    a prediction is checked against happen here, so another machine's prediction beside them
+    measures the difference between the machines, not the prediction's error."""
+    from dtlab.config import load_config
+    from dtlab.config.device import device_type
+    from dtlab.predict.cluster import known_clusters, load_cluster
+
+    device = device_type(load_config(path, overrides))
+    here = "cpu"
+    if device == "cuda":
+        import torch
+
+        here = torch.cuda.get_device_name(0)
+    cluster = load_cluster(name or "cpu_gloo")
+    if describes(cluster.device, here):
+        return cluster
+    ours = [c for c in known_clusters() if describes(load_cluster(c).device, here)]
+    given = f"--cluster {name}" if name else "the default cluster cpu_gloo"
+    fix = (f"--cluster {' or '.join(ours)} (this machine)" if ours else
+           f"--cluster FILE describing {here} (like configs/clusters/h100_sxm_8x.yaml)")
+    if name:
+        fix += f", or drop --validate to predict {name}"
+    where = "this machine's CPU" if here == "cpu" else here
+    what = "a CPU" if cluster.device == "cpu" else cluster.device
+    raise ConfigError(f"--validate runs the strategies here, on {where}, and {given} describes "
+                      f"{what}: its prediction beside these runs would measure the machines' "
+                      f"difference; fix: {fix}")
+
+
+def describes(cluster_device: str, here: str) -> bool:
+    """A cluster's `device` is this machine's ("cpu", or a GPU name such as torch reports
+    it): a CPU for a CPU, and a GPU of the model it names (H100, A100: the part a cluster file
+    and the driver's name share; any GPU when it names none)."""
+    if "cpu" in (cluster_device, here):
+        return cluster_device == here
+    model = re.search(r"\b[A-Z]\d{2,3}\b", cluster_device)
+    return model is None or re.search(rf"\b{model.group()}\b", here) is not None
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from dtlab.estimate.cli import table
-    from dtlab.predict.cluster import load_cluster
 
-    cluster = load_cluster(args.cluster or "cpu_gloo")
+    cluster = local_cluster(args.cluster, args.config, list(args.overrides))
     tokens = [t.strip() for t in args.strategies.split(",")]
     ranks = (args.world_size,) if args.world_size else RANKS
     rows = validate_rows(args.config, list(args.overrides), tokens, cluster, ranks)
@@ -90,7 +153,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(table(shown, list(shown[0])))
     if total["mean_abs_error"] is not None:
         print(f"mean |error| {100 * total['mean_abs_error']:.1f}%, largest "
-              f"{100 * total['max_abs_error']:.1f}% over {total['rows']} runs")
+              f"{100 * total['max_abs_error']:.1f}% over {total['validated']} runs")
     for r in rows:
         if "skipped" in r:
             print(f"  ({r['strategy']} on {r['ranks']} ranks: skipped, {r['skipped']})")

@@ -19,6 +19,7 @@ from dtlab.distributed import cpus_available
 from dtlab.process import interrupt
 from dtlab.process.interrupt import STOP_SIGNALS
 from dtlab.process.launcher_guard import launching
+from dtlab.process.rendezvous import failure_line, waiting_said
 
 
 def launch(
@@ -34,6 +35,7 @@ def launch(
     """Run `python -m <module> <worker_args>` on `nproc_per_node` local ranks; return an exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as elastic_run
 
@@ -61,10 +63,16 @@ def launch(
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         # launching(): the workers die with this process, however it ends (launcher_guard.py).
-        with _one_signal_stops_the_agent(), launching():
+        with _one_signal_stops_the_agent(), launching(), waiting_said(nnodes, endpoint):
             elastic_run(args)
     except ChildFailedError as e:
         return report_failures({rank: f.exitcode for rank, f in e.failures.items()})
+    except interrupt.Interrupted as e:  # dtlab's handlers raise it; torch's take over with workers
+        e.where = e.where or " before the workers started"
+        raise
+    except RendezvousError as e:  # the other nodes never came, or the endpoint is unreachable
+        print(failure_line(e, nnodes, endpoint), file=sys.stderr, flush=True)
+        return 1
     except SignalException as e:  # the workers were stopped with it; rank 0 said where
         # A second signal cuts the agent's wait for its workers short: wait here, then SIGKILL.
         with interrupt.handling(), interrupt.forwarding():

@@ -1,7 +1,8 @@
 """`dtlab collect DIR -o results.csv`: one row per run.
 
 dtlab runs are found by their `summary.json` (finished) or `run.json` (a sweep's record, also for
-runs that failed). Logs of other scripts (`*.log`, `*.out`, `*.txt` outside dtlab run directories)
+runs that failed; a stopped run's, whose strategy and world size unfinished.py reads from what
+else it left). Logs of other scripts (`*.log`, `*.out`, `*.txt` outside dtlab run directories)
 contribute one row each from their `[METRIC] key=value` lines, later values winning.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 from dtlab.config.strategies import registry
 from dtlab.errors import DtlabError
+from dtlab.results.unfinished import unfinished_run
 
 RANK_KEYS = ("nproc_per_node", "nnodes")  # the x axis, not a series
 # keys that name a strategy variant: part of the strategy label, not of the series
@@ -83,9 +85,14 @@ def row_from_run(run_dir: Path, root: Path) -> dict[str, Any]:
     state = [sum(v) for v in zip(*parts, strict=True)] if len(set(map(len, parts))) == 1 else []
     row: dict[str, Any] = {k: s.get(k) for k in COLUMNS if k in s}
     peak = mem.get("peak_allocated_bytes") or mem.get("peak_rss_bytes") or []
+    # A sweep records its runs' ranks in run.json; a `dtlab train` stopped early records only
+    # how it ended there, and its other files tell the rest.
+    ranks = rec["nproc_per_node"] * rec.get("nnodes", 1) if "nproc_per_node" in rec else None
+    left = unfinished_run(run_dir) if not s else {}
     row.update(
-        strategy=registry.label(s) or rec.get("combo", {}).get("strategy.name"),
-        world_size=s.get("world_size") or (rec.get("nproc_per_node", 1) * rec.get("nnodes", 1)),
+        strategy=(registry.label(s) or left.get("strategy")
+                  or rec.get("combo", {}).get("strategy.name")),
+        world_size=s.get("world_size") or ranks or left.get("world_size"),
         nnodes=s.get("nnodes") or rec.get("nnodes"),
         status=rec.get("status", "done" if s else "unknown"),
         reason=rec.get("reason", ""),

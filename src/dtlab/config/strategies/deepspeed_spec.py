@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import PositiveInt
 
 from dtlab.config.device import device_type
-from dtlab.config.options import Section
+from dtlab.config.options import Section, UserPath
 from dtlab.config.strategies.spec import StrategySpec, micro_batch_of
 from dtlab.errors import ConfigError
 
@@ -22,14 +22,14 @@ class DeepSpeedOptions(Section):
     JSON) supplies the rest. Options left at None take the JSON's value, else DeepSpeed's default;
     a value that contradicts the JSON is refused."""
 
-    config: str | None = None  # path to a DeepSpeed JSON, e.g. configs/deepspeed/zero2.json
+    config: UserPath | None = None  # path to a DeepSpeed JSON, e.g. configs/deepspeed/zero2.json
     zero_stage: Literal[1, 2, 3] | None = None  # None: the JSON's, else 2
     offload_optimizer: bool | None = None  # optimizer state + fp32 master weights in host memory
     offload_param: bool | None = None  # parameters in host memory (ZeRO 3 only)
     # Where the offloaded state goes: host memory, or files on an NVMe disk (ZeRO-Infinity, ZeRO 3
     # only, needs libaio; see docs/zero.md). None: the JSON's device, else cpu.
     offload_device: Literal["cpu", "nvme"] | None = None
-    nvme_path: str | None = None  # the swap files' directory; None: the JSON's, else <run.dir>/nvme
+    nvme_path: UserPath | None = None  # the swap files' directory; None: the JSON's, else <run.dir>/nvme
     reduce_bucket_size: PositiveInt | None = None  # elements per gradient reduction bucket
     allgather_bucket_size: PositiveInt | None = None  # elements per all-gather (ZeRO 1/2)
     overlap_comm: bool | None = None  # reduce gradients while the backward pass goes on
