@@ -15,7 +15,6 @@ import argparse
 import csv
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ from dtlab.errors import ConfigError
 from dtlab.instruments.machine_load import mfu_line, warning
 from dtlab.process.interrupt import INTERRUPT_CODES, Interrupted, forwarding, requested
 from dtlab.process.launcher_guard import launcher_env
+from dtlab.run import owner as run_owner
 from dtlab.rundir.hints import RESUME_HINT_ENV
 
 MiB = 1024 * 1024
@@ -70,20 +70,12 @@ def param_deviation(path: Path, reference: Path) -> float:
     )
 
 
-# What `dtlab train` writes into a run directory (other files there are left alone).
-RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "progress", "summary.json",
-               "summary.json.tmp", "model.safetensors", "checkpoints", "tb", "trace_rank*.json")
-
-
 def clear_run(run_dir: Path) -> None:
     """Remove an earlier run's outputs, so that nothing of it can be read as this run's (only
-    in a directory compare recorded: its claim refused any other)."""
-    for pattern in RUN_OUTPUTS:
-        for path in run_dir.glob(pattern):
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+    in a directory compare recorded: its claim refused any other). The run's config.yaml too:
+    a run refused before it writes its own must not leave the last one's beside nothing."""
+    run_owner.clear_outputs(run_dir)
+    (run_dir / "config.yaml").unlink(missing_ok=True)
 
 
 def _round(value: float | None, digits: int, scale: float = 1.0) -> float | None:

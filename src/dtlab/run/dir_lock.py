@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dtlab.errors import ConfigError
 from dtlab.process.environment import variables_set
+from dtlab.run.dir_watch import ident
 
 LOCK_VAR = "DTLAB_RUN_DIR_LOCKED"  # the run directory this process's launcher holds
 
@@ -39,17 +40,14 @@ def _holder(path: Path) -> int | None:
     return None
 
 
-def _made(path: Path) -> list[tuple[Path, tuple[int, int]]]:
+def _made(path: Path) -> list[tuple[Path, tuple[int, int] | None]]:
     """Create `path` and its missing parents; the directories created (with their device and
     inode: one put in its place later is not ours to remove), deepest first."""
     missing = [p for p in (path, *path.parents) if not p.exists()]
     path.mkdir(parents=True, exist_ok=True)
-    return [(p, _ident(p)) for p in missing]
+    return [(p, ident(p)) for p in missing]
 
 
-def _ident(path: Path) -> tuple[int, int]:
-    st = os.stat(path)
-    return st.st_dev, st.st_ino
 
 
 @contextlib.contextmanager
@@ -80,7 +78,7 @@ def held(run_dir: Path) -> Iterator[None]:
             yield
     finally:
         os.close(fd)
-        for d, ident in made:  # a run that wrote nothing leaves no directory
+        for d, was in made:  # a run that wrote nothing leaves no directory
             with contextlib.suppress(OSError):
-                if _ident(d) == ident:
+                if ident(d) == was:
                     d.rmdir()

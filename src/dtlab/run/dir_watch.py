@@ -29,12 +29,12 @@ class DirectoryWatch:
         self.lost = False
 
     def start(self) -> None:
-        self.ident = _ident(self.path)
+        self.ident = ident(self.path)
 
     def problem(self) -> str | None:
         if self.ident is None:
             return None
-        now = _ident(self.path)
+        now = ident(self.path)
         if now == self.ident:
             return None
         return "was deleted" if now is None else "was replaced by another directory"
@@ -63,7 +63,9 @@ class DirectoryWatch:
                 "while a run uses it (to start over, run.overwrite=true or another run.dir)")
 
 
-def _ident(path: Path) -> tuple[int, int] | None:
+def ident(path: Path) -> tuple[int, int] | None:
+    """A directory's device and inode, None when it is gone: another one put at its path has
+    other ones."""
     try:
         st = os.stat(path)
     except OSError:
