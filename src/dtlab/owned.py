@@ -26,7 +26,6 @@ import contextlib
 import fnmatch
 import json
 import os
-import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,19 +81,6 @@ class Owned:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise DtlabError(describe(e, f"writing '{target}'", str(self.path))) from None
-
-    def owns(self, name: str) -> bool:
-        return name in self.entries
-
-    def remove(self, name: str) -> None:
-        """Delete an entry this kind and owner recorded; anything else is left alone."""
-        if not self.owns(name):
-            return
-        path = self.path / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif os.path.lexists(path):
-            path.unlink()
 
 
 def unrecorded(directory: Path, patterns: Iterable[str], record: dict[str, Any] | None) -> list[str]:
