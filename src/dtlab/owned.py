@@ -126,8 +126,14 @@ def claim(directory: Path, kind: str, owner: str, writes: Iterable[str], flag: s
         raise NotOurs(f"{flag} '{directory}' holds {shown(found)}, which dtlab {kind} did not "
                       f"write there and would replace; fix: move {them} away"
                       f"{', or ' + elsewhere if elsewhere else ''}")
-    entries = set(record["entries"]) if record else set()
-    # what the owner noted besides (e.g. a run's last checkpoint) is kept, not lost on rewrite
-    extra = {k: v for k, v in (record or {}).items() if k not in ("kind", "owner", "entries")}
-    extra.update({"whose": whose} if whose else {})
-    return Owned(directory, kind, owner, entries, extra)
+    mine = reopened(directory, record) if record else Owned(directory, kind, owner)
+    mine.extra.update({"whose": whose} if whose else {})
+    return mine
+
+
+def reopened(directory: Path, record: dict[str, Any]) -> Owned:
+    """The Owned that `record` (read() of `directory`) describes: its entries, and what its owner
+    noted besides (a run's last checkpoint), kept when it is written again."""
+    extra = {k: v for k, v in record.items() if k not in ("kind", "owner", "entries")}
+    return Owned(Path(directory), record["kind"], record.get("owner", ""), set(record["entries"]),
+                 extra)

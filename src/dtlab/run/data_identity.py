@@ -17,7 +17,7 @@ def data_identity(config: dict[str, Any]) -> dict[str, Any] | None:
     data = config.get("data") or {}
     if data.get("name") != "tokens" or not data.get("dir"):
         return None
-    folder = Path(data["dir"]).expanduser()
+    folder = Path(data["dir"])  # `~` expanded by the config (UserPath)
     try:
         meta = json.loads((folder / "meta.json").read_text())
         recorded = meta.get("files") if isinstance(meta, dict) else None

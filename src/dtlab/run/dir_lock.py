@@ -48,8 +48,6 @@ def _made(path: Path) -> list[tuple[Path, tuple[int, int] | None]]:
     return [(p, ident(p)) for p in missing]
 
 
-
-
 @contextlib.contextmanager
 def held(run_dir: Path) -> Iterator[None]:
     """Hold the run directory's lock inside the block (ConfigError when another process does)."""

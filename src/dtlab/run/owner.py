@@ -242,12 +242,19 @@ def summary_step(run_dir: Path) -> int | None:
 def note_checkpoint(run_dir: Path, run_id: str, step: int) -> None:
     """Rank 0, after a checkpoint is published: the run's record keeps its last step, so that a
     later start can say what became of checkpoints that went missing (why_no_checkpoint)."""
+    mine = _record_of(run_dir, run_id)
+    if mine is None:
+        return
+    with contextlib.suppress(DtlabError):  # the checkpoint itself is safe: only the note is lost
+        mine.add(last_checkpoint=step)
+
+
+def _record_of(run_dir: Path, run_id: str) -> owned.Owned | None:
+    """run.dir's record when it is this run's (a resumed run keeps what it noted), else None."""
     rec = owned.read(run_dir)
     if rec is None or rec.get("kind") != "run" or rec.get("owner") != run_id:
-        return
-    extra = {k: v for k, v in rec.items() if k not in ("kind", "owner", "entries")}
-    with contextlib.suppress(DtlabError):  # the checkpoint itself is safe: only the note is lost
-        owned.Owned(Path(run_dir), "run", run_id, set(rec["entries"]), extra).add(last_checkpoint=step)
+        return None
+    return owned.reopened(run_dir, rec)
 
 
 def inside(checkpoint: Path, run_dir: Path) -> bool:
@@ -290,7 +297,8 @@ def begin(run: Any, ctx: Any, cfg: Any, resumed_from: Path | None,
             if resumed_from is None or (cfg.run.overwrite and not inside(resumed_from, run_dir)):
                 clear_outputs(run_dir)
             # Recorded before the first output is written: whatever this run leaves is its own.
-            owned.Owned(Path(run_dir), "run", run.run_id, set(OUTPUT_NAMES)).add()
+            mine = _record_of(run_dir, run.run_id) or owned.Owned(Path(run_dir), "run", run.run_id)
+            mine.add(*OUTPUT_NAMES)
         except OSError as e:
             raise DtlabError(files.describe(e, f"removing an earlier run's files from run.dir "
                                                f"'{run_dir}'", "run.dir")) from None
