@@ -50,6 +50,16 @@ def summary(runs: Path, spec: str) -> dict:
     return json.loads((runs / run_label(spec) / "summary.json").read_text())
 
 
+def test_each_run_names_its_layout(runs: Path) -> None:
+    """summary.json's layout: the data-parallel flavour @ the model-parallel degrees, whichever
+    shorthand started the run (config/layout.py)."""
+    layouts = {spec: summary(runs, spec)["layout"] for spec in ["single", *SPECS]}
+    assert layouts == {"single": "single", "tp": "single@tp2", "pp:gpipe": "single@pp2",
+                       "pp:1f1b": "single@pp2", "pp:interleaved_1f1b": "single@pp2",
+                       "pp:looped_bfs": "single@pp2", "fsdp_tp@2x2": "fsdp@tp2",
+                       "pp:1f1b@2x2": "ddp@pp2"}
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_losses_and_parameters_match_single(runs: Path, spec: str) -> None:
     ref = step_losses(runs / "single")

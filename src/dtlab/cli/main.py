@@ -198,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="run several strategies on one config and tabulate them")
     p.add_argument("--strategies", default="single,ddp,fsdp,fsdp1", metavar="LIST",
                    help="comma list of strategies; fsdp1:SHARD_GRAD_OP selects a sharding "
-                        "strategy, pp:gpipe a pipeline schedule, @MP or @DPxMP a mesh "
+                        "strategy, pp:gpipe a pipeline schedule; a layout is the data-parallel "
+                        "flavour @ model-parallel degrees (fsdp@tp2: FSDP2 over tensor-parallel "
+                        "pairs; single@pp2 runs on 2 ranks); @MP or @DPxMP a mesh "
                         "(fsdp_tp@2x2 runs on 4 ranks)")
     p.add_argument("--nproc-per-node", type=integer(1, "--nproc-per-node 2"), metavar="N",
                    help="ranks of each multi-process strategy (single runs on 1; a mesh shape "

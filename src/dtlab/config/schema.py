@@ -1,4 +1,5 @@
-"""The configuration schema: sections `model`, `data`, `train`, `strategy`, `run` (and `seed`).
+"""The configuration schema: sections `model`, `data`, `train`, `strategy`, `parallel`, `run`
+(and `seed`).
 
 Every section forbids unknown keys. Each strategy's options and checks live beside it
 (dtlab/strategies/<name>_spec.py); checks that need the world size are in world.py.
@@ -20,6 +21,8 @@ from pydantic import (
     model_validator,
 )
 
+from dtlab.config import layout
+from dtlab.config.layout import ParallelConfig
 from dtlab.config.options import Section, UserPath
 from dtlab.config.strategies import registry
 from dtlab.config.transformers_config import hf_config
@@ -371,8 +374,20 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     strategy: StrategyConfig = Field(default_factory=StrategyConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     lab: LabConfig = Field(default_factory=LabConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _layout(cls, data: Any) -> Any:
+        """parallel.* degrees into the keys of the strategy that runs them (config/layout.py)."""
+        if not isinstance(data, dict):
+            return data
+        try:
+            return layout.resolve(data)
+        except ConfigError as e:  # pydantic reports ValueErrors as the config's problem
+            raise ValueError(str(e)) from None
 
     @model_validator(mode="before")
     @classmethod

@@ -119,7 +119,7 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategies", metavar="LIST",
                    help=f"comma list (default: {DEFAULT_STRATEGIES}): ddp, zero1, "
                    "zero2, zero3, hybrid:S, with +offload; with --config also dtlab's strategies "
-                   "(fsdp, fsdp1:SHARD_GRAD_OP, tp...): measured under torch's fake backend")
+                   "(fsdp, fsdp1:SHARD_GRAD_OP, fsdp@tp2, tp...): measured under torch's fake backend")
 
 
 def add_advise_arguments(p: argparse.ArgumentParser) -> None:

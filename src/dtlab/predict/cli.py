@@ -31,7 +31,8 @@ def add_predict_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks per node (default: the cluster's)")
     p.add_argument("--strategies", metavar="LIST", default=DEFAULT_STRATEGIES,
                    help=f"comma list of dtlab strategy specs, e.g. fsdp1:SHARD_GRAD_OP, "
-                   f"fsdp_tp@8x8 (default: {DEFAULT_STRATEGIES})")
+                   f"fsdp@tp8 (a layout: flavour@degrees), fsdp_tp@8x8 (default: "
+                   f"{DEFAULT_STRATEGIES})")
     p.add_argument("--cluster", metavar="NAME|FILE", help="a cluster file or the name of one in "
                    "configs/clusters (h100_sxm_8x, a100_sxm_8x, h200_sxm_8x, cpu_gloo); "
                    "required unless --validate")

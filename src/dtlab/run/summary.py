@@ -14,6 +14,7 @@ from torch import nn
 
 from dtlab import __version__, files
 from dtlab.config import Config
+from dtlab.config.layout import layout_of
 from dtlab.config.strategies import registry
 from dtlab.distributed import DistContext
 from dtlab.errors import RunError
@@ -47,6 +48,8 @@ def summarize(cfg: Config, ctx: DistContext, tr: Training, run: RunState) -> dic
     summary: dict[str, Any] = {
         "strategy": cfg.strategy.name,
         "strategy_options": tr.strategy.describe(),
+        # the data-parallel flavour @ the model-parallel degrees (config/layout.py): fsdp@tp2
+        "layout": layout_of(cfg, ctx.world_size).text(),
         "world_size": ctx.world_size,
         "nnodes": ctx.env.nnodes,
         "ranks": layout,

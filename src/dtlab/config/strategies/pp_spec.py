@@ -24,7 +24,8 @@ class PPOptions(Section):
     schedule: Literal[PP_SCHEDULES] = "1f1b"  # type: ignore[valid-type]
     microbatches: PositiveInt = 4  # per micro batch (each rank's batch is split into these)
     stages_per_rank: NonNegativeInt = 0  # 0 = 2 for interleaved_1f1b/looped_bfs, else 1
-    dp: Literal["ddp", "fsdp"] = "fsdp"  # how pipeline replicas (world / degree > 1) sync
+    # how pipeline replicas (world / degree > 1) sync; none: no replicas (world = degree)
+    dp: Literal["ddp", "fsdp", "none"] = "fsdp"
 
     def stages_each(self) -> int:
         return self.stages_per_rank or (2 if self.schedule in MULTI_STAGE_SCHEDULES else 1)
@@ -37,6 +38,11 @@ def degree(cfg: Config, world_size: int) -> int:
 def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
     p, m, d = cfg.strategy.pp, cfg.model, degree(cfg, world_size)
     check_mesh(cfg, world_size, d, KEY)
+    if p.dp == "none" and d != world_size:
+        raise ConfigError(
+            f"single@pp{d} (strategy.pp.dp=none) runs on exactly {d} ranks, not {world_size}; "
+            f"fix: --nproc-per-node {d}, or fsdp@pp{d} (ddp@pp{d}) for data parallelism over "
+            "the other ranks")
     stages = d * p.stages_each()
     if p.schedule not in MULTI_STAGE_SCHEDULES and p.stages_each() != 1:
         raise ConfigError(
@@ -78,5 +84,6 @@ SPEC = StrategySpec(
     name="pp", impl="pp:PP", about="pipeline parallelism (gpipe, 1f1b, interleaved, looped)",
     options=PPOptions, variant=("strategy.pp.schedule", PP_SCHEDULES,
                                               f"a schedule ({', '.join(PP_SCHEDULES)})"), mesh_key=KEY,
-    check=check, model_parallel=degree, label=label, distinct_ranks=True,
+    check=check, model_parallel=degree, label=label, distinct_ranks=True, model_dim="pp",
+    flavours=("single", "ddp", "fsdp"), flavour_key="strategy.pp.dp",
 )

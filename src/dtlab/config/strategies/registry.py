@@ -21,6 +21,7 @@ from dtlab.config.strategies import (
     tp_spec,
     zero1_spec,
 )
+from dtlab.config.strategies import layout_syntax as layout
 from dtlab.config.strategies.spec import StrategySpec
 from dtlab.errors import ConfigError
 
@@ -71,6 +72,8 @@ def parse(text: str) -> list[str]:
     """
     head, at, shape = text.partition("@")
     name, colon, variant = head.partition(":")
+    if name in SPECS and layout.is_layout(text):  # FLAVOUR@DIMn...: config/layout.py
+        return layout.overrides(text)
     if name not in SPECS:
         raise ConfigError(f"--strategies: unknown strategy '{name}'; fix: use {', '.join(NAMES)}")
     spec = SPECS[name]
@@ -97,8 +100,12 @@ def parse(text: str) -> list[str]:
 
 
 def mesh(text: str) -> tuple[int, int] | None:
-    """The (data-parallel, model-parallel) ranks a spec's shape asks for; None without one."""
+    """The (data-parallel, model-parallel) ranks a spec's shape asks for; None without one (or
+    for a layout whose data-parallel dimension takes the ranks there are)."""
     shape = text.partition("@")[2]
+    if layout.is_layout(text):
+        fixed = layout.ranks(text)
+        return None if fixed is None else (1, fixed)
     return parse_shape(text, shape) if shape else None
 
 
@@ -107,6 +114,11 @@ def mesh_mismatch(text: str, n: int, flag: str) -> str | None:
     shape = mesh(text)
     if shape is None or shape[0] * shape[1] == n:
         return None
+    if layout.is_layout(text):
+        flavour, _, dims = text.partition("@")
+        return (f"--strategies {text} runs on {shape[1]} ranks (no data parallelism: "
+                f"{flavour}), and {flag} is {n}; fix: {flag} {shape[1]}, or fsdp@{dims} for "
+                f"data parallelism over the other ranks")
     dp, mp = shape
     other = f"{text.partition('@')[0]}@{n // mp}x{mp} for {n} ranks, or " if n % mp == 0 else ""
     return (f"--strategies {text} runs on {dp}x{mp} = {dp * mp} ranks, and {flag} is {n}; fix: "

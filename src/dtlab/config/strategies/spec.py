@@ -31,6 +31,12 @@ class StrategySpec:
     variant: tuple[str, tuple[str, ...], str] | None = None
     # NAME@MP or NAME@DPxMP sets this key to MP (the second mesh dimension)
     mesh_key: str | None = None
+    # The layouts this implementation runs (config/layout.py): its model-parallel dimension
+    # (`parallel.<dim>`, whose degree is mesh_key), the data-parallel flavours over it, and the
+    # key that names the flavour when it runs several ("none" for single: no data parallelism)
+    model_dim: str | None = None
+    flavours: tuple[str, ...] = ()
+    flavour_key: str | None = None
     one_process: bool = False  # runs without a process group (the reference)
     extra: tuple[str, str] | None = None  # (package it needs, the pip extra that installs it)
     # Checks at load time (no world size) and before launching (with it); both raise ConfigError.

@@ -119,9 +119,11 @@ def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
 
 SPEC = StrategySpec(
     name="tp", impl="tp:TP", about="tensor parallelism (Megatron-style, sequence parallel)",
-    options=TPOptions, mesh_key=KEY, check=check, model_parallel=degree,
+    options=TPOptions, mesh_key=KEY, check=check, model_parallel=degree, model_dim="tp",
+    flavours=("single",),
 )
 FSDP_TP = StrategySpec(
     name="fsdp_tp", impl="tp:FSDPTP", about="FSDP2 across tensor-parallel groups (2-D mesh)",
-    mesh_key=KEY, check=check, model_parallel=degree, shards_state=True,
+    mesh_key=KEY, check=check, model_parallel=degree, shards_state=True, model_dim="tp",
+    flavours=("fsdp",),
 )
