@@ -1,8 +1,8 @@
 """Layouts as the data-parallel flavour over model-parallel degrees (dtlab/config/layout.py):
 `strategy.name` + `parallel.pp/tp/cp`, and `FLAVOUR@DIMn...` in --strategies, resolve to the same
 configs as today's shorthands (tp, fsdp_tp, pp and their keys); a combination dtlab does not
-run is one line, exit 2, before any rank starts. (The runs of these layouts: test_model_parallel.py,
-which checks the layout each run reports.)"""
+run is one line, exit 2, before any rank starts. (The runs of these layouts: test_model_parallel.py
+and test_three_d.py, which check the layout each run reports.)"""
 
 from __future__ import annotations
 
@@ -50,6 +50,10 @@ SAME = [
     ("ddp@pp2", ["strategy.name=pp", "strategy.pp.degree=2", "strategy.pp.dp=ddp"], 4, "ddp@pp2"),
     ("single@pp2", ["strategy.name=pp", "strategy.pp.degree=2", "strategy.pp.dp=none"], 2,
      "single@pp2"),
+    ("fsdp@pp2.tp2", ["strategy.name=pp", "strategy.pp.degree=2", "strategy.pp.tp=2"], 8,
+     "fsdp@pp2.tp2"),
+    ("single@pp2.tp2", ["strategy.name=pp", "strategy.pp.degree=2", "strategy.pp.tp=2",
+                        "strategy.pp.dp=none"], 4, "single@pp2.tp2"),
 ]
 
 
@@ -71,9 +75,13 @@ def test_layout_of_counts_the_data_parallel_ranks() -> None:
 
 
 REFUSED = [
-    (["strategy.name=fsdp", "parallel.pp=2", "parallel.tp=2"],
-     "the layout fsdp@pp2.tp2 (strategy.name=fsdp with parallel.pp=2 parallel.tp=2) composes "
-     "pipeline and tensor parallelism, which dtlab does not run yet; fix: fsdp@pp2"),
+    (["strategy.name=zero1", "parallel.pp=2", "parallel.tp=2"],
+     "the layout zero1@pp2.tp2 (strategy.name=zero1 with parallel.pp=2 parallel.tp=2) puts zero1 "
+     "over pipeline x tensor-parallel groups, which dtlab runs with ddp, fsdp or single only; "
+     "fix: fsdp@pp2.tp2"),
+    (["strategy.name=fsdp", "parallel.tp=2", "parallel.cp=2"],
+     "the layout fsdp@tp2.cp2 (strategy.name=fsdp with parallel.tp=2 parallel.cp=2) uses context "
+     "parallelism, which dtlab does not run yet; fix: fsdp@tp2"),
     (["strategy.name=fsdp", "parallel.cp=2"],
      "the layout fsdp@cp2 (strategy.name=fsdp with parallel.cp=2) uses context parallelism, "
      "which dtlab does not run yet; fix: fsdp"),
@@ -88,8 +96,11 @@ REFUSED = [
      "with parallel.* degrees (strategy.name=fsdp parallel.tp=2), or the shorthand alone "
      "(strategy.tp.degree, strategy.pp.degree)"),
     (["strategy.name=fsdp", "parallel.tp=2", "strategy.tp.degree=4"],
-     "parallel.tp=2 with strategy.name=fsdp and strategy.tp.degree=4 disagree; fix: give the "
-     "layout once, as strategy.name and parallel.tp"),
+     "parallel.tp=2 and strategy.tp.degree=4 disagree; fix: give the layout once, as "
+     "strategy.name and parallel.*"),
+    (["strategy.name=single", "parallel.pp=2", "strategy.pp.dp=fsdp"],
+     "strategy.name=single and strategy.pp.dp=fsdp disagree; fix: give the layout once, as "
+     "strategy.name and parallel.*"),
     (["strategy.name=fsdp", "parallel.tp=0"],
      "parallel.tp: Input should be greater than 0 (got 0); fix: set parallel.tp to a valid value "
      "in the file or as parallel.tp=..."),

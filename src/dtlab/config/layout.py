@@ -18,6 +18,7 @@ way. A combination without an implementation is refused in one line, with the ne
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING, Any
 
 from pydantic import PositiveInt
@@ -42,22 +43,25 @@ class ParallelConfig(Section):
 
 
 def _nearest(flavour: str, degrees: dict[str, int]) -> str:
-    """The nearest layout that runs: the same degrees over fsdp, or the flavour with its
-    largest degree alone."""
+    """The nearest layout that runs: without context parallelism, with the flavour that runs
+    there (fsdp), or with the largest degree alone."""
     if "cp" in degrees:
         rest = {d: n for d, n in degrees.items() if d != "cp"}
         return _nearest(flavour, rest) if rest else flavour
-    if len(degrees) > 1:
-        dim = max(degrees, key=lambda d: degrees[d])
-        return _nearest(flavour, {dim: degrees[dim]})
-    (dim, n), = degrees.items()
-    return Layout(flavour if _runner(dim, flavour) else "fsdp", **{dim: n}).text()
+    if _runner(degrees, flavour):
+        return Layout(flavour, **degrees).text()
+    if _runner(degrees, "fsdp"):
+        return Layout("fsdp", **degrees).text()
+    dim = max(degrees, key=lambda d: degrees[d])
+    return _nearest(flavour, {dim: degrees[dim]})
 
 
-def _runner(dim: str, flavour: str) -> StrategySpec | None:
-    """The strategy that runs `flavour` over parallel.`dim` (its description says so)."""
-    return next((s for s in registry.SPECS.values()
-                 if s.model_dim == dim and flavour in s.flavours), None)
+def _runner(degrees: dict[str, int], flavour: str) -> StrategySpec | None:
+    """The strategy that runs `flavour` over these model-parallel degrees (its description
+    says so: its model_dim, the more_dims it composes with it, its flavours)."""
+    return next((s for s in registry.SPECS.values() if s.model_dim in degrees
+                 and set(degrees) <= {s.model_dim, *(d for d, _ in s.more_dims)}
+                 and flavour in s.flavours), None)
 
 
 def _either(names: list[str]) -> str:
@@ -91,19 +95,22 @@ def resolve(tree: dict[str, Any]) -> dict[str, Any]:
                           "strategy.pp.degree)")
     if "cp" in degrees:
         raise _refuse(flavour, degrees, "uses context parallelism, which dtlab does not run yet")
-    if len(degrees) > 1:
-        raise _refuse(flavour, degrees, "composes pipeline and tensor parallelism, which dtlab "
-                                        "does not run yet")
-    (dim, n), = degrees.items()
-    runner = _runner(dim, flavour)
+    runner = _runner(degrees, flavour)
     if runner is None:
-        over = sorted({f for s in registry.SPECS.values() if s.model_dim == dim
+        dims = " x ".join(WHAT[d] for d in degrees)
+        over = sorted({f for s in registry.SPECS.values() if s.model_dim in degrees
+                       and set(degrees) <= {s.model_dim, *(d for d, _ in s.more_dims)}
                        for f in s.flavours})
-        raise _refuse(flavour, degrees, f"puts {flavour} over {WHAT[dim]}-parallel groups, "
-                                        f"which dtlab runs with {_either(over)} only")
-    out = {**tree, "parallel": {**given, dim: 1}, "strategy": {**strategy, "name": runner.name}}
-    for key, value in ((runner.mesh_key, n), (runner.flavour_key,
-                                               "none" if flavour == "single" else flavour)):
+        why = (f"puts {flavour} over {dims}-parallel groups, which dtlab runs with "
+               f"{_either(over)} only") if over else f"composes {dims} parallelism, which " \
+            "dtlab does not run"
+        raise _refuse(flavour, degrees, why)
+    out = {**tree, "parallel": {**given, **dict.fromkeys(degrees, 1)},
+           "strategy": {**strategy, "name": runner.name}}
+    keys = [(runner.mesh_key, runner.model_dim, degrees[runner.model_dim]),
+            *((key, d, degrees[d]) for d, key in runner.more_dims if d in degrees),
+            (runner.flavour_key, None, "none" if flavour == "single" else flavour)]
+    for key, dim, value in keys:
         if key is None:
             continue
         *sections, last = key.split(".")
@@ -111,9 +118,9 @@ def resolve(tree: dict[str, Any]) -> dict[str, Any]:
         for part in sections:  # copies: the caller's tree is left as it was
             node[part] = node = dict(node.get(part) or {})
         if node.get(last) not in (None, 0, value):
-            raise ConfigError(f"parallel.{dim}={n} with strategy.name={flavour} and {key}="
-                              f"{node[last]} disagree; fix: give the layout once, as "
-                              f"strategy.name and parallel.{dim}")
+            given_as = f"parallel.{dim}={value}" if dim else f"strategy.name={flavour}"
+            raise ConfigError(f"{given_as} and {key}={node[last]} disagree; fix: give the "
+                              "layout once, as strategy.name and parallel.*")
         node[last] = value
     return out
 
@@ -130,8 +137,9 @@ def layout_of(cfg: Config, world_size: int) -> Layout:
         return Layout(spec.name, dp=world_size)
     mp = spec.model_parallel_size(cfg, world_size)
     dp = max(1, world_size // mp)
+    more = {d: functools.reduce(getattr, key.split("."), cfg) for d, key in spec.more_dims}
     flavour = spec.flavours[0]
     if spec.flavour_key is not None:
         chosen = functools.reduce(getattr, spec.flavour_key.split("."), cfg)
         flavour = "single" if chosen == "none" or dp == 1 else chosen
-    return Layout(flavour, dp=dp, **{spec.model_dim: mp})
+    return Layout(flavour, dp=dp, **{spec.model_dim: mp // math.prod(more.values())}, **more)

@@ -9,7 +9,8 @@ rank's model keeps the whole model's parameter names for what it holds, and hold
 Each rank's micro batch is split into `microbatches`; the schedule sends activations forward and
 their gradients backward point-to-point between neighbouring stages. Only the last stage computes
 losses. With world size > degree the ranks form a mesh (dp, pp) and the replicas of each stage
-synchronise with FSDP2 or DDP over dp (`strategy.pp.dp`).
+synchronise with FSDP2 or DDP over dp (`strategy.pp.dp`). With `strategy.pp.tp` > 1 (the layout
+fsdp@pp2.tp2) each stage is also tensor-parallel, on a (pp, dp, tp) mesh: pp_tp.py.
 
 The pipeline bubble is measured: each stage's forward and backward calls are timed (busy time);
 the bubble is 1 - busy / wall time of the schedule's step, per rank, against the theory
@@ -20,12 +21,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -33,11 +34,13 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
 )
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
-from dtlab.config import model_parallel_size
+from dtlab.config.strategies.pp_spec import degree as pipeline_degree
 from dtlab.data import EvalLoader
 from dtlab.models import loss_fn
+from dtlab.strategies import pp_tp
 from dtlab.strategies.base import (
     DTYPES,
     LossHook,
@@ -64,12 +67,14 @@ class PP(Strategy):
     # --- splitting ------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
         cfg, ctx, o = self.cfg, self.ctx, self.cfg.strategy.pp
-        self.degree = model_parallel_size(cfg, ctx.world_size)
+        self.degree, self.tp = pipeline_degree(cfg, ctx.world_size), o.tp
         self.per_rank, self.microbatches = o.stages_each(), o.microbatches
         self.n_stages = self.degree * self.per_rank
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size // self.degree, self.degree),
-                                mesh_dim_names=("dp", "pp"))
+        mesh = pp_tp.mesh(ctx.device.type, ctx.world_size, self.degree, self.tp)
         self.dp_mesh, self.pp_group = mesh["dp"], mesh.get_group("pp")
+        self.tp_mesh = mesh["tp"] if self.tp > 1 else None
+        # the rank of a tensor-parallel group that reports what its group computed alike
+        self.reports = self.tp_mesh is None or self.tp_mesh.get_local_rank() == 0
         self.pp_rank = mesh["pp"].get_local_rank()
         self.stage_ids = [self.pp_rank + i * self.degree for i in range(self.per_rank)]
         self.has_first, self.has_last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
@@ -82,6 +87,8 @@ class PP(Strategy):
         mine = [b for s in self.stage_ids for b in self.blocks[s]]
         # This rank's model: its blocks (+ embeddings / head), the rest of the GPT is dropped.
         held = model.part(mine, self.has_first, self.has_last)
+        if self.tp_mesh is not None:
+            held = pp_tp.parallelize(model, held, self.tp_mesh)
         parts: list[nn.Module] = [held.part(self.blocks[s], s == 0, s == last)
                                   for s in self.stage_ids]
         if self.dp_size > 1:
@@ -112,13 +119,13 @@ class PP(Strategy):
         b = self.cfg.train.global_batch_size // (
             self.dp_size * self.cfg.train.grad_accum_steps * self.microbatches)
         # requires_grad: the stage then sends (receives) the gradient of this tensor backward.
-        hidden = torch.empty(b, m.block_size, m.n_embd, dtype=self.hidden_dtype, device="meta",
-                             requires_grad=True)
+        hidden = torch.empty(b, m.block_size // self.tp, m.n_embd, dtype=self.hidden_dtype,
+                             device="meta", requires_grad=True)  # a sequence shard per tp rank
         logits_dtype = DTYPES[self.precision]
         return {
             "input_args": torch.empty(b, m.block_size, dtype=torch.long, device="meta")
             if stage == 0 else hidden,
-            "output_args": torch.empty(b, m.block_size, m.vocab_size, dtype=logits_dtype,
+            "output_args": torch.empty(b, m.block_size, m.vocab_size // self.tp, dtype=logits_dtype,
                                        device="meta") if stage == self.n_stages - 1 else hidden,
         }
 
@@ -146,15 +153,18 @@ class PP(Strategy):
             h = x
             for s, part in zip(self.stage_ids, self.parts, strict=True):
                 if s > 0 and self._peer(s - 1) != self.ctx.rank:
-                    h = torch.empty(*x.shape, width, dtype=self.hidden_dtype,
-                                    device=self.ctx.device)
+                    h = torch.empty(x.shape[0], x.shape[1] // self.tp, width,
+                                    dtype=self.hidden_dtype, device=self.ctx.device)
                     dist.recv(h, self._peer(s - 1))
                 with self.autocast():
                     h = part(h)
                 if s < self.n_stages - 1 and self._peer(s + 1) != self.ctx.rank:
                     dist.send(h.to(self.hidden_dtype).contiguous(), self._peer(s + 1))
-            if self.has_last:
-                totals += eval_totals(full_value(h), y, mask)
+            if self.has_last and self.reports:
+                logits = h if self.tp_mesh is None else pp_tp.vocab_sharded(h, self.tp_mesh)
+                totals += eval_totals(full_value(logits), y, mask)
+            elif self.has_last:  # the other ranks of the head's group take part in the gather
+                full_value(pp_tp.vocab_sharded(h, self.tp_mesh))
         self.reduce_sum(totals)
         for p in self.parts:
             p.train()
@@ -177,7 +187,9 @@ class PP(Strategy):
 
     def describe(self) -> dict[str, Any]:
         o = self.cfg.strategy.pp
-        return {"mesh": {"dp": self.dp_size, "pp": self.degree}, "schedule": o.schedule,
+        mesh = {"dp": self.dp_size, "pp": self.degree} if self.tp == 1 else \
+            {"pp": self.degree, "dp": self.dp_size, "tp": self.tp}
+        return {"mesh": mesh, "schedule": o.schedule,
                 "microbatches": o.microbatches, "stages_per_rank": self.per_rank,
                 "dp": o.dp if self.dp_size > 1 else "none"}
 
@@ -219,9 +231,11 @@ class PipelineStep(StepEngine):
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Each microbatch's loss on the last stage: its share of the micro batch's mean."""
         assert self._hook is not None
+        if self.pp.tp_mesh is not None:  # the vocabulary shard: loss_parallel's cross-entropy
+            logits = pp_tp.vocab_sharded(logits, self.pp.tp_mesh)
         report, root = self._hook(loss_fn(logits, y))
-        self._reports.append(report.detach())
-        return root / self.pp.microbatches
+        self._reports.append(full_value(report).detach())
+        return full_value(root) / self.pp.microbatches
 
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, loss_hook: LossHook,
                    sync: bool) -> torch.Tensor:
@@ -230,12 +244,14 @@ class PipelineStep(StepEngine):
         self.busy_s = 0.0
         self.ctx.synchronize()
         t0 = time.perf_counter()
-        with pp.autocast():
+        with pp.autocast(), loss_parallel() if pp.tp_mesh is not None else nullcontext():
             self.schedule.step(*((x,) if pp.has_first else ()),
                                target=y if pp.has_last else None, return_outputs=False)
         self.ctx.synchronize()
         self.timings.append((self.busy_s, time.perf_counter() - t0))
-        if not self._reports:  # not the last stage: no loss here (a sum over ranks counts 0)
+        # not the last stage, or another rank of its tensor-parallel group: no loss here (a sum
+        # over ranks counts 0)
+        if not self._reports or not pp.reports:
             return torch.zeros((), device=self.ctx.device)
         return torch.stack(self._reports).sum() / pp.microbatches
 

@@ -9,12 +9,14 @@ from pydantic import NonNegativeInt, PositiveInt
 
 from dtlab.config.options import Section
 from dtlab.config.strategies.spec import StrategySpec, check_mesh, micro_batch_of
+from dtlab.config.strategies.tp_spec import check_sizes
 from dtlab.errors import ConfigError
 
 if TYPE_CHECKING:
     from dtlab.config import Config
 
 KEY = "strategy.pp.degree"
+TP_KEY = "strategy.pp.tp"
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs")  # several stages per rank
 
@@ -26,23 +28,38 @@ class PPOptions(Section):
     stages_per_rank: NonNegativeInt = 0  # 0 = 2 for interleaved_1f1b/looped_bfs, else 1
     # how pipeline replicas (world / degree > 1) sync; none: no replicas (world = degree)
     dp: Literal["ddp", "fsdp", "none"] = "fsdp"
+    tp: PositiveInt = 1  # tensor-parallel ranks inside each stage (3-D: pp x dp x tp)
 
     def stages_each(self) -> int:
         return self.stages_per_rank or (2 if self.schedule in MULTI_STAGE_SCHEDULES else 1)
 
 
 def degree(cfg: Config, world_size: int) -> int:
-    return cfg.strategy.pp.degree or world_size
+    """Ranks per pipeline (stages' ranks); 0 = every rank a tensor-parallel group leaves."""
+    return cfg.strategy.pp.degree or max(1, world_size // cfg.strategy.pp.tp)
+
+
+def model_parallel(cfg: Config, world_size: int) -> int:
+    """Ranks holding one copy of the model: the pipeline's ranks x each stage's tensor-parallel ones."""
+    return degree(cfg, world_size) * cfg.strategy.pp.tp
 
 
 def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
     p, m, d = cfg.strategy.pp, cfg.model, degree(cfg, world_size)
-    check_mesh(cfg, world_size, d, KEY)
-    if p.dp == "none" and d != world_size:
+    check_mesh(cfg, world_size, d * p.tp, KEY if p.tp == 1 else f"{KEY} x strategy.pp.tp")
+    if p.tp > 1:
+        check_sizes(cfg, p.tp, TP_KEY)
+    if p.dp == "none" and d * p.tp != world_size:
+        dims = f"pp{d}" + (f".tp{p.tp}" if p.tp > 1 else "")
         raise ConfigError(
-            f"single@pp{d} (strategy.pp.dp=none) runs on exactly {d} ranks, not {world_size}; "
-            f"fix: --nproc-per-node {d}, or fsdp@pp{d} (ddp@pp{d}) for data parallelism over "
-            "the other ranks")
+            f"single@{dims} (strategy.pp.dp=none) runs on exactly {d * p.tp} ranks, not "
+            f"{world_size}; fix: --nproc-per-node {d * p.tp}, or fsdp@{dims} (ddp@{dims}) for "
+            "data parallelism over the other ranks")
+    if p.tp > 1 and p.dp == "ddp":
+        raise ConfigError(
+            f"ddp over pipeline x tensor-parallel stages (strategy.pp.dp=ddp with "
+            f"strategy.pp.tp={p.tp}) is not supported; fix: fsdp@pp{d}.tp{p.tp} "
+            "(strategy.pp.dp=fsdp)")
     stages = d * p.stages_each()
     if p.schedule not in MULTI_STAGE_SCHEDULES and p.stages_each() != 1:
         raise ConfigError(
@@ -67,7 +84,7 @@ def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
             f"{p.microbatches} to be a multiple of its {rounds} rounds (microbatches // degree); "
             f"fix: use a multiple of {d}"
         )
-    micro = micro_batch_of(cfg, world_size, d)
+    micro = micro_batch_of(cfg, world_size, d * p.tp)
     if micro % p.microbatches:
         raise ConfigError(
             f"the micro batch of {micro} samples per pipeline (train.global_batch_size / "
@@ -84,6 +101,7 @@ SPEC = StrategySpec(
     name="pp", impl="pp:PP", about="pipeline parallelism (gpipe, 1f1b, interleaved, looped)",
     options=PPOptions, variant=("strategy.pp.schedule", PP_SCHEDULES,
                                               f"a schedule ({', '.join(PP_SCHEDULES)})"), mesh_key=KEY,
-    check=check, model_parallel=degree, label=label, distinct_ranks=True, model_dim="pp",
-    flavours=("single", "ddp", "fsdp"), flavour_key="strategy.pp.dp",
+    check=check, model_parallel=model_parallel, label=label, distinct_ranks=True,
+    model_dim="pp", flavours=("single", "ddp", "fsdp"), flavour_key="strategy.pp.dp",
+    more_dims=(("tp", TP_KEY),),
 )

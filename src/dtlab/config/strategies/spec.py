@@ -37,6 +37,9 @@ class StrategySpec:
     model_dim: str | None = None
     flavours: tuple[str, ...] = ()
     flavour_key: str | None = None
+    # Other model-parallel dimensions it composes with model_dim, and the key of each degree
+    # (pp with tensor parallelism inside each stage: {"tp": "strategy.pp.tp"})
+    more_dims: tuple[tuple[str, str], ...] = ()
     one_process: bool = False  # runs without a process group (the reference)
     extra: tuple[str, str] | None = None  # (package it needs, the pip extra that installs it)
     # Checks at load time (no world size) and before launching (with it); both raise ConfigError.

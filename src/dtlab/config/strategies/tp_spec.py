@@ -101,6 +101,11 @@ def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
             f"strategy.tp.degree={d} < world_size={world_size}; fix: strategy.tp.degree=0, "
             "or strategy.name=fsdp_tp for a data-parallel dimension"
         )
+    check_sizes(cfg, d, KEY)
+
+
+def check_sizes(cfg: Config, d: int, key: str) -> None:
+    """What a tensor-parallel degree `d` (set by `key`) splits must divide by it."""
     m = cfg.model
     if m.name == "hf":
         _check_hf(cfg, d)
@@ -113,7 +118,7 @@ def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
             raise ConfigError(
                 f"{what}={value} is not divisible by the tensor-parallel degree {d} "
                 f"(heads, vocabulary and sequence are split over it); fix: choose {what} as "
-                f"a multiple of {d}, or a smaller strategy.tp.degree"
+                f"a multiple of {d}, or a smaller {key}"
             )
 
 

@@ -1,0 +1,89 @@
+"""3-D parallelism: pipeline x tensor x data parallel on one (pp, dp, tp) mesh, for dtlab's GPT
+on 8 gloo ranks (strategies/pp_tp.py), against `single`.
+
+One `dtlab compare --verify` runs single, single@pp2.tp2 (the 2-D part, on 4 ranks) and
+fsdp@pp2.tp2 (8 ranks: 2 pipeline stages x 2 FSDP2 replicas x 2 tensor-parallel ranks), with
+gradient clipping over every shard; an interleaved 1F1B schedule runs the same layout; a 3-D
+checkpoint resumes under fsdp on 4 ranks and continues as single did.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import dtlab, fast_launches, max_rel_dev, step_losses, train
+from test_model_parallel import GPT_TINY, TOL
+
+from dtlab.cli.compare import param_deviation, run_label
+
+STEPS = 6
+SETTINGS = [*(o for o in GPT_TINY if not o.startswith("train.max_steps")), f"train.max_steps={STEPS}",
+            "train.optimizer=sgd", "train.weight_decay=0", "train.checkpoint_every=3"]
+LAYOUTS = ["single@pp2.tp2", "fsdp@pp2.tp2"]
+
+
+@pytest.fixture(scope="module")
+def runs(session_dir: Path) -> Path:
+    out = session_dir / "three-d"
+    with fast_launches():
+        proc = dtlab("compare", "--strategies", ",".join(["single", *LAYOUTS]), "--nproc-per-node",
+                     "8", "--verify", "--tolerance", str(TOL), "--out", str(out), *SETTINGS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"verify passed: {STEPS} steps vs single" in proc.stdout
+    return out
+
+
+def summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_3d_losses_and_parameters_match_single(runs: Path, layout: str) -> None:
+    ref = step_losses(runs / "single")
+    assert len(ref) == STEPS and ref[-1] < ref[0] - 0.1  # it trained
+    run = runs / run_label(layout)
+    assert max_rel_dev(step_losses(run), ref) < TOL
+    # the full state gathered from every stage, tensor-parallel shard and FSDP shard
+    assert param_deviation(run / "model.safetensors", runs / "single" / "model.safetensors") < TOL
+
+
+def test_3d_runs_on_one_mesh_and_splits_the_state(runs: Path) -> None:
+    s = summary(runs / run_label("fsdp@pp2.tp2"))
+    assert (s["layout"], s["world_size"]) == ("fsdp@pp2.tp2", 8)
+    assert s["strategy_options"]["mesh"] == {"pp": 2, "dp": 2, "tp": 2}
+    assert s["strategy_options"]["dp"] == "fsdp"
+    assert summary(runs / run_label("single@pp2.tp2"))["layout"] == "single@pp2.tp2"
+    whole = summary(runs / "single")["memory_per_rank"]["param_bytes"][0]
+    held = s["memory_per_rank"]["param_bytes"]
+    assert len(held) == 8 and max(held) < whole / 4  # each rank: a stage's tp and fsdp shard
+
+
+def test_interleaved_1f1b_on_the_3d_mesh_matches_single(runs: Path, session_dir: Path) -> None:
+    out = session_dir / "three-d-interleaved"
+    s = train(out, *SETTINGS, "strategy.name=fsdp", "parallel.pp=2", "parallel.tp=2",
+              "strategy.pp.schedule=interleaved_1f1b", "train.checkpoint_every=0", nproc=8)
+    assert s["pipeline"]["stages"] == 4 and s["layout"] == "fsdp@pp2.tp2"
+    assert max_rel_dev(step_losses(out), step_losses(runs / "single")) < TOL
+
+
+def test_a_3d_checkpoint_resumes_under_fsdp_on_4_ranks(runs: Path, session_dir: Path) -> None:
+    """Each rank wrote its stage's tensor-parallel and FSDP shards under the whole model's names
+    (DCP); fsdp on 4 ranks reads them into its own shards and continues as single did."""
+    ckpt = runs / run_label("fsdp@pp2.tp2") / "checkpoints" / "step_000003"
+    out = session_dir / "three-d-resumed"
+    s = train(out, *SETTINGS, "strategy.name=fsdp", f"resume={ckpt}", "run.save_model=true",
+              nproc=4)
+    assert s["resumed_from"]["step"] == 3
+    assert max_rel_dev(step_losses(out), step_losses(runs / "single")[3:]) < TOL
+    assert param_deviation(out / "model.safetensors", runs / "single" / "model.safetensors") < TOL
+
+
+def test_ddp_over_3d_stages_is_refused_in_one_line(tmp_path: Path) -> None:
+    proc = dtlab("train", "--nproc-per-node", "8", *SETTINGS, "strategy.name=ddp",
+                 "parallel.pp=2", "parallel.tp=2", f"run.dir={tmp_path / 'run'}")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == ("dtlab: error: ddp over pipeline x tensor-parallel stages "
+                           "(strategy.pp.dp=ddp with strategy.pp.tp=2) is not supported; fix: "
+                           "fsdp@pp2.tp2 (strategy.pp.dp=fsdp)\n")
