@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab import files, owned
+from dtlab.config import Config
 from dtlab.config.load import flatten
 from dtlab.errors import ConfigError, DtlabError
 from dtlab.run.data_identity import data_changes, data_identity
@@ -88,9 +89,18 @@ def run_id_of(manifest: dict[str, Any]) -> str | None:
     return run.get("id") if isinstance(run, dict) and isinstance(run.get("id"), str) else None
 
 
+def as_read_now(saved: dict[str, Any]) -> dict[str, Any]:
+    """A config an earlier dtlab saved, as this one reads it: keys added since at their
+    defaults (as it is unchanged when it no longer validates)."""
+    try:
+        return Config.model_validate(saved).model_dump(mode="json")
+    except (ValueError, DtlabError):
+        return saved
+
+
 def differences(saved: dict[str, Any], config: dict[str, Any], most: int = 3) -> str:
     """The keys that must not change on resume and did, with both values; '' when none did."""
-    a, b = fixed_keys(saved), fixed_keys(config)
+    a, b = fixed_keys(as_read_now(saved)), fixed_keys(config)
     keys = [k for k in sorted(set(a) | set(b)) if a.get(k, _ABSENT) != b.get(k, _ABSENT)]
     said = [f"{k} is {_show(a, k)} in the checkpoint, {_show(b, k)} here" for k in keys[:most]]
     more = f" (and {len(keys) - most} more)" if len(keys) > most else ""

@@ -29,7 +29,7 @@ from dtlab.config import to_yaml
 from dtlab.process import interrupt
 from dtlab.process.interrupt import Interrupted
 from dtlab.run.sweep_record import failure_reason, is_done, now, read_record, update_record
-from dtlab.sweeps import slurm
+from dtlab.sweeps import earlier_runs, slurm
 from dtlab.sweeps.local import command, run_local
 from dtlab.sweeps.spec import PlannedRun, SweepSpec, expand, load_spec
 
@@ -75,6 +75,7 @@ def run_sweep(spec_path: str, launcher: str, dry_run: bool, out: str | None,
     timeout = timeout_s or spec.timeout_s
     plans = expand(spec, out_dir, launcher)
     mine = claim(out_dir, spec_path, out)  # before is_done reads another sweep's runs as ours
+    earlier_runs.match(plans, out_dir)
     valid = [p for p in plans if not p.invalid]
     finished = [p for p in valid if is_done(p.run_dir)]
     todo = [p for p in valid if p not in finished]

@@ -158,9 +158,12 @@ def check_exclude(path: str | Path, spec: SweepSpec) -> None:
 
 
 def config_key(cfg: Config, nproc_per_node: int, nnodes: int, slurm_mode: str) -> str:
+    """The run's directory name: a hash of its resolved config and ranks, without what the sweep
+    sets on each run (where it writes and is tracked, that it may start over: group_trackers,
+    expand) so that a run's config.yaml gives its key again (earlier_runs.py)."""
     body = cfg.model_dump(mode="json")
-    body["run"].pop("dir")
-    body["run"].pop("progress")
+    for key in ("dir", "progress", "overwrite", "mlflow", "wandb"):
+        body["run"].pop(key)
     layout = {"nproc_per_node": nproc_per_node, "nnodes": nnodes, "slurm_mode": slurm_mode}
     blob = json.dumps({"config": body, "layout": layout}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
