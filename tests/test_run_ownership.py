@@ -71,7 +71,7 @@ def test_another_run_in_the_same_directory_is_refused_not_started_over(tmp_path:
     said = refused(["train", *QUICK, "run.dir=r", "train.lr=0.2"], tmp_path)
     assert said.startswith("dtlab: error: run.dir 'r' holds an earlier run (metrics.jsonl, "
                            "summary.json) and no checkpoint to continue it from: it saved none "
-                           "(train.checkpoint_every); resume=auto would start over and delete it; "
+                           "(stopped before its first, or train.checkpoint_every=0); resume=auto would start over and delete it; "
                            "fix: run.overwrite=true to start over"), said
 
 

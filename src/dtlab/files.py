@@ -203,3 +203,17 @@ def file_sha256(path: Path) -> str:
         while piece := f.read(16 << 20):
             digest.update(piece)
     return digest.hexdigest()
+
+
+def is_dtlab_report(path: Path) -> bool:
+    """Whether `path` is an HTML report that `dtlab report` wrote (read from its first bytes)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        return False
+    return report_head(head)
+
+
+def report_head(head: bytes) -> bool:
+    return head.lower().startswith(b"<!doctype html>") and b"<title>dtlab " in head

@@ -100,6 +100,18 @@ def shown(names: list[str], most: int = 4) -> str:
     return ", ".join(names[:most]) + more
 
 
+def check_own_directory(directory: Path, flag: str) -> None:
+    """An output directory is one of its own: not the file system's root nor the home directory,
+    whose other files an output there would sit among (and an overwrite would delete)."""
+    real = os.path.realpath(directory)
+    home = os.path.realpath(os.path.expanduser("~"))
+    what = "the file system's root" if real == "/" else "your home directory" if real == home \
+        else None
+    if what:
+        raise NotOurs(f"{flag} '{directory}' is {what}; fix: a directory of its own inside it "
+                      "(e.g. runs/NAME)")
+
+
 def claim(directory: Path, kind: str, owner: str, writes: Iterable[str], flag: str,
           whose: str = "", elsewhere: str = "choose another directory") -> Owned:
     """The right to write `writes` (glob patterns of names directly under `directory`) there,
@@ -108,6 +120,7 @@ def claim(directory: Path, kind: str, owner: str, writes: Iterable[str], flag: s
     as the user knows it (a spec's path), said when another owner's output is in the way;
     `elsewhere`: the fix that writes somewhere else ("" where the command has no such choice)."""
     directory = Path(directory)
+    check_own_directory(directory, flag)
     if os.path.lexists(directory) and not directory.is_dir():
         raise NotOurs(f"{flag} '{directory}' is a file, not a directory; fix: move it away"
                       f"{', or ' + elsewhere if elsewhere else ''}")

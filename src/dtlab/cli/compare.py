@@ -31,6 +31,7 @@ from dtlab.errors import ConfigError
 from dtlab.instruments.machine_load import mfu_line, warning
 from dtlab.process.interrupt import INTERRUPT_CODES, Interrupted, forwarding, requested
 from dtlab.process.launcher_guard import launcher_env
+from dtlab.run import dir_lock
 from dtlab.run import owner as run_owner
 from dtlab.rundir.hints import RESUME_HINT_ENV
 
@@ -234,10 +235,28 @@ def compare(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     plans = check_arguments(args)
-    ref = registry.REFERENCE
     out = Path(args.out)
     results_files = ("compare.csv", "compare.json")  # one owner: any compare's, nothing else
     mine = owned.claim(out, "compare", "compare", [*map(run_label, plans), *results_files], "--out")
+    with dir_lock.held(out, "--out", "compare"):  # a second compare here would replace these runs
+        return _compare_in(args, plans, out, mine, results_files)
+
+
+def _compare_in(args: argparse.Namespace, plans: dict[str, list[str]], out: Path,
+                mine: owned.Owned, results_files: tuple[str, ...]) -> int:
+    ref = registry.REFERENCE
+    earlier = sorted(n for n in mine.entries - {*map(run_label, plans), *results_files}
+                     if (out / n).is_dir())
+    if earlier:  # an earlier compare's runs that this table would leave out, and collect mix in
+        them = "it" if len(earlier) == 1 else "them"
+        raise ConfigError(
+            f"--out '{out}' holds {owned.shown(earlier)} from an earlier compare, which this one "
+            f"does not run: its table would leave {them} out and collect and report would mix "
+            f"{them} in; fix: add {them} to --strategies, --out a new directory, or move {them} "
+            "away")
+    for name in results_files:  # the earlier table goes first: a compare cut short leaves none
+        if name in mine.entries:
+            (out / name).unlink(missing_ok=True)
     extra = ["run.progress=false"] + (["run.log_every=1", "run.save_model=true"] if args.verify else [])
     numerics = verify_numerics(args)  # before the overrides: an explicit setting wins
     rows, failed, results = [], [], {}

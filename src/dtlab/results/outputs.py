@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dtlab import atomic_write
+from dtlab import atomic_write, files
 
 # kind -> (what the file is called in messages, a test on its first bytes)
 KINDS = {
-    "report": ("an HTML report dtlab wrote",
-               lambda head: head.lower().startswith(b"<!doctype html>") and b"<title>dtlab " in head),
+    "report": ("an HTML report dtlab wrote", files.report_head),
     "csv": ("a results CSV dtlab wrote", lambda head: head.startswith(b"series,strategy,")),
 }
 

@@ -145,6 +145,8 @@ def plot_results(rows: list[dict[str, Any]], out_dir: Path,
                          "`dtlab collect`")
     mine = claim_plots(out_dir)  # callers with another flag claim first, with their own words
     mine.add()  # the directory and its record, before the first figure
+    for name in mine.entries & set(WRITES):  # an earlier plot's figures: these data may not
+        (Path(out_dir) / name).unlink(missing_ok=True)  # draw them all, and none may stay stale
     f = Figures(out_dir, mine)
     ranks = "number of ranks"
     f.line("epoch_time", "Time per epoch", ranks, "time per epoch (s, log scale)",

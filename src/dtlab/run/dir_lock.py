@@ -49,11 +49,13 @@ def _made(path: Path) -> list[tuple[Path, tuple[int, int] | None]]:
 
 
 @contextlib.contextmanager
-def held(run_dir: Path) -> Iterator[None]:
-    """Hold the run directory's lock inside the block (ConfigError when another process does)."""
+def held(run_dir: Path, flag: str = "run.dir", what: str = "run") -> Iterator[None]:
+    """Hold the run directory's lock inside the block (ConfigError when another process does).
+    Also the output directory of a compare or a sweep (`flag` "--out", `what` their name), for
+    the whole command: a second one there would replace the running one's runs."""
     path = Path(run_dir)
     real = os.path.realpath(path)
-    if os.environ.get(LOCK_VAR) == real:  # the launcher of this rank holds it
+    if what == "run" and os.environ.get(LOCK_VAR) == real:  # this rank's launcher holds it
         yield
         return
     try:
@@ -68,11 +70,11 @@ def held(run_dir: Path) -> Iterator[None]:
         except BlockingIOError:
             pid = _holder(path)
             who = f" (pid {pid})" if pid else ""
-            raise ConfigError(f"run.dir '{run_dir}' is in use by another dtlab run{who}; fix: wait "
-                              "for it to end, or choose another run.dir") from None
+            raise ConfigError(f"{flag} '{run_dir}' is in use by another dtlab {what}{who}; fix: "
+                              f"wait for it to end, or choose another {flag}") from None
         except OSError:  # a file system without flock (some network mounts): unguarded
             pass
-        with variables_set({LOCK_VAR: real}):
+        with variables_set({LOCK_VAR: real} if what == "run" else {}):
             yield
     finally:
         os.close(fd)

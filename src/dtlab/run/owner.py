@@ -30,7 +30,9 @@ from dtlab.config.load import flatten
 from dtlab.errors import ConfigError, DtlabError
 from dtlab.run.data_identity import data_changes, data_identity
 from dtlab.run.dir_watch import DirectoryWatch
+from dtlab.run.sweep_record import is_record
 from dtlab.rundir.checkpoints import (
+    MANIFEST,
     CheckpointError,
     checkpoint_root,
     complete_checkpoints,
@@ -43,7 +45,7 @@ from dtlab.rundir.hints import earlier_outputs, start_over
 # it records, and evaluation-only data settings. Everything else (model, data, optimizer and its
 # hyper-parameters, schedule, precision, seed, lab switches) decides the training itself: a change
 # there is another run. (lr and momentum would not even apply: they come back from the checkpoint.)
-RESUMABLE = ("resume", "run", "strategy", "train.max_steps", "train.epochs", "train.eval_every",
+RESUMABLE = ("resume", "run", "strategy", "parallel", "train.max_steps", "train.epochs", "train.eval_every",
              "train.checkpoint_every", "train.keep_checkpoints", "train.compile",
              "train.compile_backend", "train.activation_checkpointing", "train.ac_every",
              "train.optimizer_impl", "train.nan_policy", "data.dir", "data.download",
@@ -116,7 +118,11 @@ def _show(values: dict[str, Any], key: str) -> str:
 
 # --------------------------------------------------------------------------- earlier runs' files
 def clear_outputs(run_dir: Path) -> None:
-    """Remove an earlier run's outputs, so that nothing of it can be read as this run's."""
+    """Remove an earlier run's outputs, so that nothing of it can be read as this run's (its
+    report too, when `dtlab report` wrote one there)."""
+    report = Path(run_dir) / "report.html"
+    if files.is_dtlab_report(report):
+        report.unlink()
     for pattern in OUTPUTS:
         for path in Path(run_dir).glob(pattern):
             if path.is_dir() and not path.is_symlink():
@@ -193,6 +199,8 @@ def check_owned(cfg: Any, config: str | None = None) -> None:
     resolved config to config.yaml: one there is refused too, unless it is the file the run is
     configured from (a sweep's run, or a run started again from its own config.yaml)."""
     run_dir = cfg.run.run_dir
+    owned.check_own_directory(Path(run_dir), "run.dir")
+    check_not_inside(Path(run_dir))
     record = owned.read(run_dir)
     if record is not None and record["kind"] != "run":
         raise ConfigError(f"run.dir '{run_dir}' holds the output of dtlab {record['kind']}, not a "
@@ -202,12 +210,34 @@ def check_owned(cfg: Any, config: str | None = None) -> None:
     own_config = config is not None and \
         Path(config).resolve() == (Path(run_dir) / "config.yaml").resolve()
     foreign = owned.unrecorded(run_dir, OUTPUT_NAMES + (() if own_config else ("config.yaml",)),
-                               None)
+                               None) + ([] if is_record(Path(run_dir)) else ["run.json"])
     if foreign:
         them = "it" if len(foreign) == 1 else "them"
         raise ConfigError(f"run.dir '{run_dir}' holds {owned.shown(foreign)}, which no dtlab run "
                           f"recorded writing there and a run would replace; fix: move {them} away, "
                           f"run.overwrite=true to delete {them}, or choose another run.dir")
+
+
+def check_not_inside(run_dir: Path) -> None:
+    """run.dir is not inside another dtlab output, which its owner may replace or prune (a run's
+    checkpoints, a compare's or sweep's folders), except where that owner put this run: a
+    compare's strategy directory it recorded, a sweep's run directory it planned (run.json)."""
+    path = Path(os.path.abspath(run_dir))
+    for above in path.parents:
+        if (above / MANIFEST).is_file():
+            raise ConfigError(f"run.dir '{run_dir}' is inside the checkpoint '{above}', which its "
+                              "run prunes and replaces; fix: a run.dir outside it")
+        record = owned.read(above)
+        if record is None:
+            continue
+        kind = record["kind"]
+        planned = (kind == "compare" and path.parent == above and path.name in record["entries"]) \
+            or (kind == "sweep" and path.parent == above / "runs" and (path / "run.json").is_file())
+        if not planned:
+            what = "the run directory" if kind == "run" else f"the output of dtlab {kind}"
+            raise ConfigError(f"run.dir '{run_dir}' is inside {what} '{above}', whose files that "
+                              f"{kind} may replace or delete; fix: a run.dir outside it")
+        return
 
 
 def _earlier_dtlab_run(run_dir: Path) -> bool:
@@ -223,7 +253,7 @@ def why_no_checkpoint(run_dir: Path) -> str:
     kept = f" (it had saved step {saved})" if isinstance(saved, int) else ""
     if not root.is_dir():
         return (f"checkpoints/ was deleted{kept}" if kept else
-                "it saved none (train.checkpoint_every)")
+                "it saved none (stopped before its first, or train.checkpoint_every=0)")
     names = sorted(p.name for p in root.iterdir())
     steps = [n for n in names if n.startswith("step_")]
     if steps:

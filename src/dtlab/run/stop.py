@@ -17,7 +17,7 @@ from dtlab.process.interrupt import Interrupted
 from dtlab.run import checkpoint, state
 from dtlab.run.dir_watch import GONE
 from dtlab.run.run_state import RunState, Training
-from dtlab.run.sweep_record import now, read_record, update_record
+from dtlab.run.sweep_record import is_record, now, read_record, update_record
 from dtlab.rundir.hints import resume_hint
 
 STOP_DEADLINE_S = 3.0  # the least time a stop waits for the step boundary
@@ -112,9 +112,9 @@ def last_checkpoint(cfg: Config, run_dir: Path) -> str:
         return f"; last checkpoint step {found[-1][0]}; {resume_hint()}"
     if cfg.resume not in ("auto", "none"):
         rerun = f"a rerun resumes '{cfg.resume}' again"
-    elif cfg.resume == "auto" or cfg.run.overwrite:
+    elif cfg.run.overwrite:
         rerun = "a rerun starts over"
-    else:  # resume=none is refused beside this run's metrics
+    else:  # resume=auto and none are refused beside this run's metrics and no checkpoint
         rerun = "a rerun with run.overwrite=true starts over"
     if cfg.train.checkpoint_every:
         return f"; no checkpoint yet, {rerun}"
@@ -122,7 +122,10 @@ def last_checkpoint(cfg: Config, run_dir: Path) -> str:
 
 
 def record_stop(run_dir: Path, stopped: Interrupted | None) -> None:
-    """run.json: `interrupted` with the line and exit code; `done` once a later run completes it."""
+    """run.json: `interrupted` with the line and exit code; `done` once a later run completes it.
+    A run.json that is not dtlab's record (the user's own file) is left as it is."""
+    if not is_record(run_dir):
+        return
     if stopped is not None and run_dir.is_dir():
         update_record(run_dir, status="interrupted", returncode=stopped.exit_code,
                       reason=stopped.line().removeprefix("dtlab: "), finished_at=now())

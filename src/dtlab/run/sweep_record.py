@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,15 @@ def read_record(run_dir: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def is_record(run_dir: Path) -> bool:
+    """run.json is absent or dtlab's record (a mapping with a status), not a user's file."""
+    path = Path(run_dir) / "run.json"
+    if not os.path.lexists(path):
+        return True
+    record = read_record(run_dir)
+    return isinstance(record, dict) and isinstance(record.get("status"), str)
 
 
 def write_record(run_dir: Path, record: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ from dtlab import owned
 from dtlab.config import to_yaml
 from dtlab.process import interrupt
 from dtlab.process.interrupt import Interrupted
+from dtlab.run import dir_lock
 from dtlab.run.sweep_record import failure_reason, is_done, now, read_record, update_record
 from dtlab.sweeps import earlier_runs, slurm
 from dtlab.sweeps.local import command, run_local
@@ -72,9 +73,20 @@ def run_sweep(spec_path: str, launcher: str, dry_run: bool, out: str | None,
               timeout_s: float | None, requeue: bool = False) -> int:
     spec = load_spec(spec_path)
     out_dir = Path(out) if out else Path("sweeps") / Path(spec_path).stem
-    timeout = timeout_s or spec.timeout_s
     plans = expand(spec, out_dir, launcher)
     mine = claim(out_dir, spec_path, out)  # before is_done reads another sweep's runs as ours
+    if dry_run:
+        return _sweep(spec_path, spec, launcher, True, out, out_dir, plans, mine, timeout_s, requeue)
+    flag = "--out" if out else "the sweep's output directory"
+    with dir_lock.held(out_dir, flag, "sweep"):  # a second sweep here would run the same runs
+        return _sweep(spec_path, spec, launcher, False, out, out_dir, plans, mine, timeout_s,
+                      requeue)
+
+
+def _sweep(spec_path: str, spec: SweepSpec, launcher: str, dry_run: bool, out: str | None,
+           out_dir: Path, plans: list[PlannedRun], mine: owned.Owned, timeout_s: float | None,
+           requeue: bool) -> int:
+    timeout = timeout_s or spec.timeout_s
     earlier_runs.match(plans, out_dir)
     valid = [p for p in plans if not p.invalid]
     finished = [p for p in valid if is_done(p.run_dir)]
