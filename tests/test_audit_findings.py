@@ -164,3 +164,13 @@ def test_the_file_systems_root_is_no_output_directory(tmp_path: Path, args: list
     line = refused(args, tmp_path)
     assert line == (f"dtlab: error: {flag} '/' is the file system's root; fix: a directory of its "
                     "own inside it (e.g. runs/NAME)")
+
+
+def test_an_empty_value_and_a_bare_tilde_are_not_the_default_in_disguise(tmp_path: Path) -> None:
+    assert refused(["train", *QUICK, "run.dir="], tmp_path) == (
+        "dtlab: error: override 'run.dir=' gives run.dir no value; fix: run.dir=VALUE, or leave "
+        "it out for its default")
+    home = Path("~").expanduser()
+    assert refused(["train", *QUICK, "run.dir=~"], tmp_path) == (
+        f"dtlab: error: run.dir '{home}' is your home directory; fix: a directory of its own "
+        "inside it (e.g. runs/NAME)")

@@ -87,3 +87,16 @@ def test_ddp_over_3d_stages_is_refused_in_one_line(tmp_path: Path) -> None:
     assert proc.stderr == ("dtlab: error: ddp over pipeline x tensor-parallel stages "
                            "(strategy.pp.dp=ddp with strategy.pp.tp=2) is not supported; fix: "
                            "fsdp@pp2.tp2 (strategy.pp.dp=fsdp)\n")
+
+
+def test_estimate_gives_the_3d_runs_bytes_per_rank(runs: Path) -> None:
+    """Measured under the fake backend with the real wrappers: every rank's parameter, gradient
+    and optimizer bytes as the 8-rank run reported them."""
+    proc = dtlab("estimate", "--json", "--world-size", "8", "--strategies", "fsdp@pp2.tp2",
+                 *SETTINGS, "strategy.name=fsdp")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(proc.stdout)["rows"]
+    estimated = [[r[k] for r in row["per_rank"]] for k in ("param_bytes", "grad_bytes", "optim_bytes")]
+    measured = summary(runs / run_label("fsdp@pp2.tp2"))["memory_per_rank"]
+    assert estimated == [measured[k] for k in ("param_bytes", "grad_bytes", "optim_bytes")]
+    assert row["exact"] and row["source"] == "measured (fake backend)"

@@ -114,7 +114,12 @@ def apply_override(tree: dict[str, Any], item: str) -> None:
             raise ConfigError(f"override '{item}': '{part}' is a value, not a section; fix: "
                               "see `dtlab config --keys` for valid keys")
         node = child
-    node[parts[-1]] = parse_value(value)
+    if not value.strip():  # `run.dir=` (or run.dir='' in a shell): not the default in disguise
+        raise ConfigError(f"override '{item}' gives {key} no value; fix: {key}=VALUE, or leave "
+                          "it out for its default")
+    # `~` alone is YAML's null; on a command line it is the home directory (a shell expands it
+    # only at the start of a word)
+    node[parts[-1]] = "~" if value.strip() == "~" else parse_value(value)
 
 
 def _switch_model(tree: dict[str, Any], from_file: dict[str, Any], overridden: set[str]) -> None:
