@@ -282,7 +282,8 @@ def test_export_never_replaces_the_checkpoint_or_its_run(ckpt: Path) -> None:
     """export -o naming the checkpoint's run directory, or a file inside the checkpoint, is refused even with --overwrite."""
     run = ckpt.parent.parent
     before = snapshot(run)
-    for args in (["--format", "hf", "-o", str(run)], ["-o", str(ckpt / ".metadata")]):
+    for args in (["--format", "hf", "-o", str(run)], ["-o", str(ckpt / ".metadata")],
+                 ["-o", str(run / "model.safetensors")]):  # would pass for the run's final model
         line = one_line(dtlab("export", str(ckpt), *args, "--overwrite"))
         assert "overlaps the checkpoint" in line and "; fix: choose a path outside" in line
     assert snapshot(run) == before

@@ -171,3 +171,23 @@ def test_a_step_record_becomes_nccl_tests_sizes_in_issue_order() -> None:
                                         ("broadcast", 8, 4)]
     with pytest.raises(RunError, match="more collectives than the flight recorder keeps"):
         step_collectives({**record, "entries_lost": True})
+
+
+def test_a_3d_pipelines_predicted_collectives_and_sends_equal_a_real_step(tmp_path: Path) -> None:
+    """single@pp2.tp2 on 4 real ranks (2 stages, each tensor-parallel over 2): every rank's
+    collectives over its tensor-parallel pair and its sends and receives to the other stage, as
+    traced at 4 ranks under the fake process group."""
+    spec, run_dir = "single@pp2.tp2", tmp_path / "pp2-tp2"
+    (served,) = ranks.stores(1)
+    proc = ranks.start(4, [json.dumps([[served.port, args_of(spec, run_dir)]])],
+                       target=every_run, env={"DTLAB_RECORD_STEP": str(STEPS)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recorded = recorded_collectives(run_dir, STEPS, 4)
+    cfg = load_config(None, overrides_of(spec))
+    for rank in range(4):
+        ops = {op for op, _, _ in recorded[rank]}
+        assert {"send", "recv"} <= ops and ops & {"all_gather", "reduce_scatter"}, ops
+        trace = trace_step(cfg, 4, rank, 4, device="cpu")
+        moving, alone = split_alone(recorded[rank])
+        assert collectives_of(trace) == moving, f"rank {rank}"
+        assert trace.meta["alone"] == alone, f"rank {rank}"

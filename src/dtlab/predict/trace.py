@@ -257,12 +257,11 @@ def trace_step(cfg: Config, world: int, rank: int, ranks_per_node: int, device: 
 
 def traced_ranks(cfg: Config, world: int, ranks_per_node: int) -> list[int]:
     """The ranks the simulator needs: rank 0 when every rank does the same (data parallel, and
-    tensor parallel, whose ranks are symmetric); one rank per model-parallel coordinate of the
-    first replica otherwise (pipelines: every stage, so that each send has its recv)."""
+    tensor parallel, whose ranks are symmetric); the ranks the strategy's description names
+    otherwise (pipelines: every stage of the first replica, so that each send has its recv)."""
     check_world(cfg, world, ranks_per_node)
-    if registry.of(cfg).distinct_ranks:  # mesh (dp, mp), row-major: ranks 0..mp-1
-        return list(range(model_parallel_size(cfg, world)))
-    return [0]
+    distinct = registry.of(cfg).distinct_ranks
+    return distinct(cfg, world) if distinct is not None else [0]
 
 
 def collectives_of(trace: Trace) -> list[tuple[str, int, int]]:

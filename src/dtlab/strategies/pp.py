@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
 )
+from torch.distributed.pipelining._utils import InferenceMode
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
@@ -185,6 +188,13 @@ class PP(Strategy):
                                group=self.pp_group)
         return {k: v for part in parts for k, v in part.items()}, {}
 
+    def in_one_process(self) -> AbstractContextManager[Any]:
+        """A trace's ranks exist in this process alone: the schedule's first step would hold a
+        vote between the stages over sends whose values a recording group does not deliver.
+        Its outcome is known: every stage here gives its shapes and passes plain tensors, so
+        each votes for static metadata, as between real ranks."""
+        return mock.patch.object(_PipelineSchedule, "_warmup_p2p", _static_metadata)
+
     def describe(self) -> dict[str, Any]:
         o = self.cfg.strategy.pp
         mesh = {"dp": self.dp_size, "pp": self.degree} if self.tp == 1 else \
@@ -192,6 +202,11 @@ class PP(Strategy):
         return {"mesh": mesh, "schedule": o.schedule,
                 "microbatches": o.microbatches, "stages_per_rank": self.per_rank,
                 "dp": o.dp if self.dp_size > 1 else "none"}
+
+
+def _static_metadata(schedule: Any, stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+    for stage in stages:
+        stage._inference_mode = InferenceMode.STATIC
 
 
 class PipelineStep(StepEngine):

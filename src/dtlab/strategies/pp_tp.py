@@ -12,6 +12,8 @@ cross-entropy under `loss_parallel`, so the logits are never gathered in trainin
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -40,6 +42,9 @@ def parallelize(model: nn.Module, held: nn.Module, tp_mesh: DeviceMesh) -> nn.Mo
     """`model`'s plan (the whole GPT's: a part's names alone do not say which model it is) on
     the modules of this rank's stages (`held`, a GPT.part of it), the head's logits returned as
     the local vocabulary shard."""
+    # 2-D (dp, tp) parameters: gathering or reducing them takes one collective per dimension,
+    # and DTensor warns about it on every rank for every tensor (as fsdp_tp: tp.py)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     plan = plan_for(model)
     styles = {k: v for k, v in plan.styles.items() if _held(held, k)}
     if "lm_head" in styles:

@@ -110,9 +110,12 @@ def check_replace(out: Path, kind: str, checkpoint: Path, overwrite: bool) -> No
     is replaced); anything else only with --overwrite. Never the checkpoint or a path inside
     or around it, which the replacement would delete."""
     source, target = Path(checkpoint).resolve(), out.resolve()
-    if target == source or source in target.parents or target in source.parents:
+    run = source.parent.parent if source.parent.name == "checkpoints" else source
+    if target == source or run in target.parents or target in source.parents:
+        # inside its run: A/model.safetensors would pass for that run's own final model
         raise DtlabError(f"-o/--output '{out}' overlaps the checkpoint '{checkpoint}' it is "
-                         "read from; fix: choose a path outside the checkpoint and its run")
+                         "read from, or its run; fix: choose a path outside the checkpoint and "
+                         "its run")
     if any(target == p or target in p.parents for p in (Path.cwd().resolve(),
                                                        Path.home().resolve())):
         raise DtlabError(f"-o/--output '{out}' holds the current or the home directory, which an "

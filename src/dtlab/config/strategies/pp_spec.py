@@ -44,6 +44,14 @@ def model_parallel(cfg: Config, world_size: int) -> int:
     return degree(cfg, world_size) * cfg.strategy.pp.tp
 
 
+def stage_ranks(cfg: Config, world_size: int) -> list[int]:
+    """The rank of each pipeline stage in the first replica, at tensor-parallel rank 0 (the
+    others run the same program): the ranks dtlab predict traces. The mesh is (dp, pp) without
+    tensor parallelism, (pp, dp, tp) with it (strategies/pp_tp.py)."""
+    d = degree(cfg, world_size)
+    return list(range(d)) if cfg.strategy.pp.tp == 1 else [p * (world_size // d) for p in range(d)]
+
+
 def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
     p, m, d = cfg.strategy.pp, cfg.model, degree(cfg, world_size)
     check_mesh(cfg, world_size, d * p.tp, KEY if p.tp == 1 else f"{KEY} x strategy.pp.tp")
@@ -101,7 +109,7 @@ SPEC = StrategySpec(
     name="pp", impl="pp:PP", about="pipeline parallelism (gpipe, 1f1b, interleaved, looped)",
     options=PPOptions, variant=("strategy.pp.schedule", PP_SCHEDULES,
                                               f"a schedule ({', '.join(PP_SCHEDULES)})"), mesh_key=KEY,
-    check=check, model_parallel=model_parallel, label=label, distinct_ranks=True,
+    check=check, model_parallel=model_parallel, label=label, distinct_ranks=stage_ranks,
     model_dim="pp", flavours=("single", "ddp", "fsdp"), flavour_key="strategy.pp.dp",
     more_dims=(("tp", TP_KEY),),
 )

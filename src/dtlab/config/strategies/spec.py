@@ -67,7 +67,7 @@ class StrategySpec:
     root_stays_gathered: bool = False  # the root unit is not resharded after forward (FSDP1)
     # The model-parallel ranks of one replica do different work (pipeline stages): `dtlab
     # predict` traces each of them, not rank 0 alone
-    distinct_ranks: bool = False
+    distinct_ranks: Callable[[Config, int], list[int]] | None = None
     # Steps a meta-device trace (`dtlab predict` without --measure) runs before the one it
     # records, where the library's first steps differ from its steady one (DeepSpeed ZeRO-3
     # records the order of its modules in its first step and prefetches on it from then on)
