@@ -5,8 +5,8 @@ model-parallel degrees (`parallel.pp`, `parallel.tp`, `parallel.cp`) leave, on o
     dtlab compare --strategies single,fsdp@tp2,single@pp2 --nproc-per-node 4 ...
 
 `FLAVOUR@DIMn[.DIMn...]` (`fsdp@pp2.tp2`, strategies/layout_syntax.py) is the same layout in
-`--strategies`. The flavour
-`single` means no data parallelism: the ranks are the product of the degrees.
+`--strategies`. The flavour `single` means no data parallelism: the ranks are the product of the
+degrees.
 
 A layout runs on the implementation that has it: `resolve` rewrites the degrees into that
 strategy's own keys before the config is validated (`single@tp2` -> strategy.name=tp with
@@ -56,12 +56,16 @@ def _nearest(flavour: str, degrees: dict[str, int]) -> str:
     return _nearest(flavour, {dim: degrees[dim]})
 
 
+def _runners(degrees: dict[str, int]) -> list[StrategySpec]:
+    """The strategies that run these model-parallel degrees (their descriptions say so: a
+    model_dim among them, the more_dims it composes with covering the rest)."""
+    return [s for s in registry.SPECS.values() if s.model_dim in degrees
+            and set(degrees) <= {s.model_dim, *(d for d, _ in s.more_dims)}]
+
+
 def _runner(degrees: dict[str, int], flavour: str) -> StrategySpec | None:
-    """The strategy that runs `flavour` over these model-parallel degrees (its description
-    says so: its model_dim, the more_dims it composes with it, its flavours)."""
-    return next((s for s in registry.SPECS.values() if s.model_dim in degrees
-                 and set(degrees) <= {s.model_dim, *(d for d, _ in s.more_dims)}
-                 and flavour in s.flavours), None)
+    """The one of them that runs `flavour` over its data-parallel ranks."""
+    return next((s for s in _runners(degrees) if flavour in s.flavours), None)
 
 
 def _either(names: list[str]) -> str:
@@ -98,9 +102,7 @@ def resolve(tree: dict[str, Any]) -> dict[str, Any]:
     runner = _runner(degrees, flavour)
     if runner is None:
         dims = " x ".join(WHAT[d] for d in degrees)
-        over = sorted({f for s in registry.SPECS.values() if s.model_dim in degrees
-                       and set(degrees) <= {s.model_dim, *(d for d, _ in s.more_dims)}
-                       for f in s.flavours})
+        over = sorted({f for s in _runners(degrees) for f in s.flavours})
         why = (f"puts {flavour} over {dims}-parallel groups, which dtlab runs with "
                f"{_either(over)} only") if over else f"composes {dims} parallelism, which " \
             "dtlab does not run"

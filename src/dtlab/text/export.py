@@ -7,6 +7,7 @@ the same kind (marked in its safetensors headers) unless --overwrite is given.""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -21,6 +22,7 @@ from dtlab.errors import DtlabError
 from dtlab.levers import lora
 from dtlab.models import gpt_hf, hf
 from dtlab.run.checkpoint import _safe_reader, dcp_load, verify
+from dtlab.run.owner import OUTPUT_NAMES
 
 # (model config, tensors under dtlab's names) -> (config.json, (HF name, tensor) in model order)
 Layout = Callable[[Any, Mapping[str, torch.Tensor]],
@@ -111,11 +113,13 @@ def check_replace(out: Path, kind: str, checkpoint: Path, overwrite: bool) -> No
     or around it, which the replacement would delete."""
     source, target = Path(checkpoint).resolve(), out.resolve()
     run = source.parent.parent if source.parent.name == "checkpoints" else source
-    if target == source or run in target.parents or target in source.parents:
-        # inside its run: A/model.safetensors would pass for that run's own final model
+    # in its run under a name the run writes: RUN/model.safetensors would pass for the run's own
+    under_run = target.relative_to(run).parts[0] if run in target.parents else None
+    if target == source or source in target.parents or target in source.parents or (
+            under_run and any(fnmatch.fnmatchcase(under_run, p) for p in OUTPUT_NAMES)):
         raise DtlabError(f"-o/--output '{out}' overlaps the checkpoint '{checkpoint}' it is "
-                         "read from, or its run; fix: choose a path outside the checkpoint and "
-                         "its run")
+                         "read from, or its run's own outputs; fix: choose a path outside the "
+                         "checkpoint and its run")
     if any(target == p or target in p.parents for p in (Path.cwd().resolve(),
                                                        Path.home().resolve())):
         raise DtlabError(f"-o/--output '{out}' holds the current or the home directory, which an "
