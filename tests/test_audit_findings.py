@@ -174,3 +174,48 @@ def test_an_empty_value_and_a_bare_tilde_are_not_the_default_in_disguise(tmp_pat
     assert refused(["train", *QUICK, "run.dir=~"], tmp_path) == (
         f"dtlab: error: run.dir '{home}' is your home directory; fix: a directory of its own "
         "inside it (e.g. runs/NAME)")
+
+
+# ----------------------------------------------------------- a second outside audit (154 cases)
+@pytest.mark.parametrize("command", ["compare", "sweep"])
+def test_a_compare_or_sweep_inside_another_output_is_refused(tmp_path: Path, command: str) -> None:
+    ok(dtlab("train", *QUICK, "train.checkpoint_every=1", "run.dir=r", cwd=tmp_path))
+    (tmp_path / "s.yaml").write_text(f"base: {CONFIGS / 'quick.yaml'}\n"
+                                     "overrides: {train.max_steps: 2}\nmatrix: {seed: [1]}\n")
+    args = ["compare", "--strategies", "single", "train.max_steps=2"] if command == "compare" \
+        else ["sweep", "s.yaml"]
+    for inside in ("r/checkpoints", "r/cmp"):
+        line = refused([*args, "--out", inside], tmp_path)
+        assert line == (f"dtlab: error: --out '{inside}' is inside the output of dtlab run "
+                        f"'{tmp_path / 'r'}', which that command may replace or delete and whose "
+                        "results would count it in; fix: a directory outside it")
+
+
+def test_a_users_run_json_with_a_status_is_still_the_users(tmp_path: Path) -> None:
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r/run.json").write_text('{"status": "mine"}\n')
+    assert "holds run.json, which no dtlab run recorded" in refused(
+        ["train", *QUICK, "run.dir=r"], tmp_path)
+
+
+@pytest.mark.parametrize("args", [["compare", "--strategies", "single", "--out", ""],
+                                  ["plot", "results.csv", "-o", ""],
+                                  ["collect", "runs", "-o", ""]])
+def test_an_empty_output_path_is_refused_not_read_as_here(tmp_path: Path, args: list[str]) -> None:
+    flag = args[-2]
+    assert refused(args, tmp_path) == (f"dtlab: error: {flag} is empty; fix: name a path, or "
+                                       f"leave {flag} out for its default")
+
+
+def test_a_continued_sweep_run_keeps_its_first_attempts_log(tmp_path: Path) -> None:
+    """A sweep's run stopped and continued: train.log holds both attempts, as on SLURM."""
+    from dtlab.sweeps.local import run_local
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train.log").write_text("dtlab: interrupted by SIGINT at step 519 (the first attempt)\n")
+    status, reason, code = run_local([sys.executable, "-c", "print('second attempt'); exit(3)"],
+                                     run, 60)
+    assert (status, code) == ("failed", 3) and reason == "exit code 3: second attempt"
+    assert (run / "train.log").read_text() == ("dtlab: interrupted by SIGINT at step 519 (the "
+                                               "first attempt)\nsecond attempt\n")

@@ -25,7 +25,7 @@ PATH_METAVARS = frozenset({"FILE", "DIR", "PATH", "CSV", "HTML", "RESULTS", "RES
 
 class Parser(argparse.ArgumentParser):
     """argparse, with its errors on one line (the usage block stays in --help), option help
-    that ends with the default, and `~` expanded in paths (PATH_METAVARS)."""
+    that ends with the default, and `~` expanded in paths (PATH_METAVARS), an empty one refused."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
@@ -38,6 +38,10 @@ class Parser(argparse.ArgumentParser):
             if (action.metavar or action.dest.upper()) not in PATH_METAVARS:
                 continue
             value = getattr(namespace, action.dest, None)
+            if value == "" or isinstance(value, list) and "" in value:  # -o '': not "here"
+                flag = action.option_strings[0] if action.option_strings else action.dest
+                self.error(f"{flag} is empty; fix: name a path, or leave {flag} out for its "
+                           "default")
             if isinstance(value, str):
                 setattr(namespace, action.dest, os.path.expanduser(value))
             elif isinstance(value, list):

@@ -112,6 +112,19 @@ def check_own_directory(directory: Path, flag: str) -> None:
                       "(e.g. runs/NAME)")
 
 
+def check_not_nested(directory: Path, flag: str) -> None:
+    """A command's output directory is not inside another's (a run's, a compare's, a sweep's):
+    that owner may replace or delete what is under it, and its results would count these runs
+    as its own."""
+    path = Path(os.path.abspath(directory))
+    for above in path.parents:
+        record = read(above)
+        if record is not None:
+            raise NotOurs(f"{flag} '{directory}' is inside the output of dtlab {record['kind']} "
+                          f"'{above}', which that command may replace or delete and whose results "
+                          "would count it in; fix: a directory outside it")
+
+
 def claim(directory: Path, kind: str, owner: str, writes: Iterable[str], flag: str,
           whose: str = "", elsewhere: str = "choose another directory") -> Owned:
     """The right to write `writes` (glob patterns of names directly under `directory`) there,

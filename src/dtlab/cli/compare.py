@@ -237,6 +237,7 @@ def _compare(args: argparse.Namespace) -> int:
     plans = check_arguments(args)
     out = Path(args.out)
     results_files = ("compare.csv", "compare.json")  # one owner: any compare's, nothing else
+    owned.check_not_nested(out, "--out")
     mine = owned.claim(out, "compare", "compare", [*map(run_label, plans), *results_files], "--out")
     with dir_lock.held(out, "--out", "compare"):  # a second compare here would replace these runs
         return _compare_in(args, plans, out, mine, results_files)

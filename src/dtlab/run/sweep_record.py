@@ -28,8 +28,9 @@ def is_record(run_dir: Path) -> bool:
     path = Path(run_dir) / "run.json"
     if not os.path.lexists(path):
         return True
-    record = read_record(run_dir)
-    return isinstance(record, dict) and isinstance(record.get("status"), str)
+    record = read_record(run_dir)  # written when a sweep planned the run, or a run stopped
+    return isinstance(record, dict) and isinstance(record.get("status"), str) and \
+        ("planned_at" in record or "finished_at" in record)
 
 
 def write_record(run_dir: Path, record: dict[str, Any]) -> None:
@@ -51,11 +52,15 @@ def is_done(run_dir: Path) -> bool:
     return bool(record and record.get("status") == "done" and (Path(run_dir) / "summary.json").is_file())
 
 
-def failure_reason(log: Path, returncode: int | None) -> str:
-    """The most telling line of a failed run's log, and how it ended."""
+def failure_reason(log: Path, returncode: int | None, since: int = 0) -> str:
+    """The most telling line of a failed run's log from byte `since` on (this attempt's part
+    of a log that keeps the earlier ones), and how it ended."""
     lines: list[str] = []
     if Path(log).is_file():
-        lines = [x.strip() for x in Path(log).read_text(errors="replace").splitlines() if x.strip()]
+        with open(log, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+        lines = [x.strip() for x in text.splitlines() if x.strip()]
     errors = [x for x in lines if x.startswith(("dtlab: error:", "dtlab: interrupted"))]
     tail = [x for x in lines if not x.startswith("[METRIC]")]
     detail = errors[-1] if errors else (tail[-1] if tail else "no output")

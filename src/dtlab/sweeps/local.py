@@ -25,7 +25,8 @@ def run_local(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[str, str
     "interrupted" when this process got a stop signal: it was passed on to the run, which stopped
     (after a checkpoint on SIGTERM) and said where in its log."""
     log_path = run_dir / "train.log"
-    with open(log_path, "w") as log:
+    since = log_path.stat().st_size if log_path.is_file() else 0
+    with open(log_path, "a") as log:  # a continued run's log keeps its earlier attempts
         # A process group of its own: the launcher and its workers are stopped by signals to it. It
         # dies with this process, however this process ends (dtlab/process/launcher_guard.py).
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -39,8 +40,8 @@ def run_local(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[str, str
     if code == 0 and (run_dir / "summary.json").is_file():
         return "done", "", 0
     if interrupt.requested():
-        return "interrupted", failure_reason(log_path, code), code
-    return "failed", failure_reason(log_path, code), code
+        return "interrupted", failure_reason(log_path, code, since), code
+    return "failed", failure_reason(log_path, code, since), code
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 45.0) -> None:
