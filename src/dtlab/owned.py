@@ -112,15 +112,23 @@ def check_own_directory(directory: Path, flag: str) -> None:
                       "(e.g. runs/NAME)")
 
 
+def enclosing(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The nearest directory above `directory` that holds a command's output, with its record."""
+    for above in Path(os.path.abspath(directory)).parents:
+        record = read(above)
+        if record is not None:
+            return above, record
+    return None
+
+
 def check_not_nested(directory: Path, flag: str) -> None:
     """A command's output directory is not inside another's (a run's, a compare's, a sweep's):
     that owner may replace or delete what is under it, and its results would count these runs
     as its own."""
-    path = Path(os.path.abspath(directory))
-    for above in path.parents:
-        record = read(above)
-        if record is not None:
-            raise NotOurs(f"{flag} '{directory}' is inside the output of dtlab {record['kind']} "
+    found = enclosing(directory)
+    if found is not None:
+        above, record = found
+        raise NotOurs(f"{flag} '{directory}' is inside the output of dtlab {record['kind']} "
                           f"'{above}', which that command may replace or delete and whose results "
                           "would count it in; fix: a directory outside it")
 

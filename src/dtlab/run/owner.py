@@ -223,21 +223,23 @@ def check_not_inside(run_dir: Path) -> None:
     checkpoints, a compare's or sweep's folders), except where that owner put this run: a
     compare's strategy directory it recorded, a sweep's run directory it planned (run.json)."""
     path = Path(os.path.abspath(run_dir))
-    for above in path.parents:
+    found = owned.enclosing(path)
+    for above in path.parents:  # a checkpoint lies inside its run: said first, as the nearer
         if (above / MANIFEST).is_file():
             raise ConfigError(f"run.dir '{run_dir}' is inside the checkpoint '{above}', which its "
                               "run prunes and replaces; fix: a run.dir outside it")
-        record = owned.read(above)
-        if record is None:
-            continue
-        kind = record["kind"]
-        planned = (kind == "compare" and path.parent == above and path.name in record["entries"]) \
-            or (kind == "sweep" and path.parent == above / "runs" and (path / "run.json").is_file())
-        if not planned:
-            what = "the run directory" if kind == "run" else f"the output of dtlab {kind}"
-            raise ConfigError(f"run.dir '{run_dir}' is inside {what} '{above}', whose files that "
-                              f"{kind} may replace or delete; fix: a run.dir outside it")
+        if found is not None and above == found[0]:
+            break
+    if found is None:
         return
+    above, record = found
+    kind = record["kind"]
+    planned = (kind == "compare" and path.parent == above and path.name in record["entries"]) \
+        or (kind == "sweep" and path.parent == above / "runs" and (path / "run.json").is_file())
+    if not planned:
+        what = "the run directory" if kind == "run" else f"the output of dtlab {kind}"
+        raise ConfigError(f"run.dir '{run_dir}' is inside {what} '{above}', whose files that "
+                          f"{kind} may replace or delete; fix: a run.dir outside it")
 
 
 def _earlier_dtlab_run(run_dir: Path) -> bool:

@@ -74,10 +74,10 @@ def run_sweep(spec_path: str, launcher: str, dry_run: bool, out: str | None,
     spec = load_spec(spec_path)
     out_dir = Path(out) if out else Path("sweeps") / Path(spec_path).stem
     plans = expand(spec, out_dir, launcher)
-    mine = claim(out_dir, spec_path, out)  # before is_done reads another sweep's runs as ours
+    flag = "--out" if out else "the sweep's output directory"
+    mine = claim(out_dir, spec_path, flag)  # before is_done reads another sweep's runs as ours
     if dry_run:
         return _sweep(spec_path, spec, launcher, True, out, out_dir, plans, mine, timeout_s, requeue)
-    flag = "--out" if out else "the sweep's output directory"
     with dir_lock.held(out_dir, flag, "sweep"):  # a second sweep here would run the same runs
         return _sweep(spec_path, spec, launcher, False, out, out_dir, plans, mine, timeout_s,
                       requeue)
@@ -138,12 +138,12 @@ def _sweep(spec_path: str, spec: SweepSpec, launcher: str, dry_run: bool, out: s
     return finish(out_dir, valid)
 
 
-def claim(out_dir: Path, spec_path: str, out: str | None) -> owned.Owned:
-    """The output directory for this spec, owned by its resolved path and content (NotOurs when
-    it holds another's), and the report's outputs there checked: nothing is written."""
+def claim(out_dir: Path, spec_path: str, flag: str) -> owned.Owned:
+    """The output directory for this spec (`flag`: how the user named it), owned by its resolved
+    path and content (NotOurs when it holds another's), and the report's outputs there checked:
+    nothing is written."""
     path = Path(spec_path).resolve()
     digest = hashlib.sha256(str(path).encode() + b"\0" + path.read_bytes()).hexdigest()[:16]
-    flag = "--out" if out else "the sweep's output directory"
     owned.check_not_nested(out_dir, flag)
     mine = owned.claim(out_dir, "sweep", digest, ("sweep.json", "runs"), flag, whose=str(path),
                        elsewhere="give this spec its own --out DIR")
