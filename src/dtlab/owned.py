@@ -171,3 +171,36 @@ def reopened(directory: Path, record: dict[str, Any]) -> Owned:
     extra = {k: v for k, v in record.items() if k not in ("kind", "owner", "entries")}
     return Owned(Path(directory), record["kind"], record.get("owner", ""), set(record["entries"]),
                  extra)
+
+
+def check_made_from(path: Path, flag: str, sources: Iterable[Path]) -> None:
+    """A file or directory written inside another command's output (a run's, a compare's, a
+    sweep's) is refused unless it is made from that very output (`sources`): a results table,
+    report or figures of other runs there would pass for that output's own."""
+    found = enclosing(path)
+    if found is None or found[1]["kind"] == "plot":
+        return
+    above, record = found
+    if any(os.path.realpath(s) == os.path.realpath(above) for s in sources):
+        return
+    what = "the run directory" if record["kind"] == "run" else f"the output of dtlab {record['kind']}"
+    raise NotOurs(f"{flag} '{path}' is inside {what} '{above}', and what is written there would "
+                  "pass for that output's own; fix: a path outside it")
+
+
+def output_below(directory: Path, depth: int = 3, most: int = 2000) -> tuple[Path, dict] | None:
+    """The nearest command output (figures aside) inside `directory`, looked for `depth` levels
+    down and among at most `most` folders (a run's own folders hold none)."""
+    top = Path(directory)
+    looked = 0
+    for folder, subdirs, names in os.walk(top):
+        level = len(Path(folder).relative_to(top).parts)
+        if level and RECORD in names:
+            record = read(Path(folder))
+            if record is not None and record["kind"] != "plot":
+                return Path(folder), record
+        looked += len(subdirs)
+        if level >= depth or looked > most:
+            subdirs.clear()
+        subdirs.sort()
+    return None

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from dtlab import owned
 from dtlab.cli.compare import compare
 from dtlab.cli_args import (
     CommandParser,
@@ -94,6 +95,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     for d in args.dirs:
         input_dir("DIR", d, "pass the directory of a sweep, a compare or a set of logs")
     output = output_file("-o/--output", args.output, "results.csv")
+    owned.check_made_from(output, "-o/--output", args.dirs)
     rows = collect(*map(Path, args.dirs))
     print(f"{len(rows)} runs -> {write_csv(rows, output)}")
     return 0
@@ -108,6 +110,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     for path in args.comm:
         input_file("COMM_CSV", path, "write it with `dtlab comm --csv comm.csv`")
     out = output_dir("-o/--output", args.output)
+    owned.check_made_from(out, "-o/--output", [Path(p).parent for p in (results, *args.comm)])
     rows = read_csv(results)
     comm = [r for path in args.comm for r in read_csv(Path(path))]
     check_plottable(rows, results, comm)
@@ -127,11 +130,15 @@ def cmd_report(args: argparse.Namespace) -> int:
             raise DtlabError(f"--comm adds collective benchmarks to a sweep's report, and '{root}' "
                              "is one run; fix: drop --comm, or pass the sweep's directory")
         output = output_file("-o/--output", args.output, "report.html") if args.output else None
+        if output:
+            owned.check_made_from(output, "-o/--output", [root])
         print(f"report: {write_run_report(root, output)}")
         return 0
     for path in args.comm:
         input_file("--comm", path, "write it with `dtlab comm --csv comm.csv`")
     output = output_file("-o/--output", args.output, "report.html") if args.output else None
+    if output:
+        owned.check_made_from(output, "-o/--output", [root])
     write_outputs(root, output, tuple(Path(c) for c in args.comm))
     return 0
 

@@ -159,21 +159,30 @@ def row_from_log(path: Path, root: Path) -> dict[str, Any] | None:
 
 
 def collect(*roots: Path) -> list[dict[str, Any]]:
-    rows = []
+    rows, seen = [], set()  # a run reached through two of the roots is one row
     for root in map(Path, roots):
         if not root.is_dir():
             raise DtlabError(f"'{root}' is not a directory; fix: pass the directory of a sweep, "
                              "a compare or a set of logs")
         run_dirs = sorted({p.parent for name in ("summary.json", "run.json")
                            for p in root.rglob(name)})
-        found = [row_from_run(d, root) for d in run_dirs]
+        fresh = [d for d in run_dirs if d.resolve() not in seen]
+        twice = len(run_dirs) - len(fresh)
+        found = [row_from_run(d, root) for d in fresh]
         add_verification(found, root)
         for path in sorted(root.rglob("*")):
             if path.suffix in (".log", ".out", ".txt") and path.is_file() and not any(
                     d == path.parent or d in path.parents for d in run_dirs):
                 row = row_from_log(path, root)
-                if row:
+                if row and path.resolve() in seen:
+                    twice += 1
+                elif row:
                     found.append(row)
+                    seen.add(path.resolve())
+        seen.update(d.resolve() for d in run_dirs)
+        if not found and twice:
+            raise DtlabError(f"'{root}' holds only runs that an earlier DIR holds, which would "
+                             "count them twice; fix: pass each directory once")
         if not found:
             raise DtlabError(f"'{root}' holds no dtlab runs (summary.json, run.json) and no logs "
                              "with [METRIC] lines; fix: pass the directory of a sweep, a compare "

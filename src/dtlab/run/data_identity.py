@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dtlab import files
+
 
 def data_identity(config: dict[str, Any]) -> dict[str, Any] | None:
     """What identifies the data a run trains on beyond its config: the token files' sizes and
@@ -34,9 +36,21 @@ def data_identity(config: dict[str, Any]) -> dict[str, Any] | None:
     return out
 
 
-def data_changes(saved: Any, now: Any) -> str:
-    """Which token files differ between a checkpoint's data and data.dir's now; '' when none."""
+def data_changes(saved: Any, now: Any, folder: Path | None = None) -> str:
+    """Which token files differ between a checkpoint's data and data.dir's now; '' when none.
+    A file recorded with its sha256 that meta.json no longer describes (copied without it, or
+    meta.json deleted) is hashed now, so the same bytes are not reported as changed."""
     if not isinstance(saved, dict) or not isinstance(now, dict):
         return ""
-    return ", ".join(f"{name} ({'sha256' if 'sha256' in saved[name] else 'size'})"
-                     for name in sorted(saved) if saved[name] != now.get(name))
+    changed = []
+    for name in sorted(saved):
+        was, is_ = saved[name], now.get(name)
+        if isinstance(was, dict) and isinstance(is_, dict) and "sha256" in was and \
+                "sha256" not in is_ and folder is not None and is_.get("bytes") == was.get("bytes"):
+            with contextlib.suppress(OSError):
+                is_ = {**is_, "sha256": files.file_sha256(folder / name)}
+        if isinstance(was, dict) and isinstance(is_, dict) and "sha256" not in was:
+            is_ = {k: v for k, v in is_.items() if k != "sha256"}  # recorded by size alone
+        if was != is_:
+            changed.append(f"{name} ({'sha256' if 'sha256' in was else 'size'})")
+    return ", ".join(changed)

@@ -201,6 +201,18 @@ def check_owned(cfg: Any, config: str | None = None) -> None:
     run_dir = cfg.run.run_dir
     owned.check_own_directory(Path(run_dir), "run.dir")
     check_not_inside(Path(run_dir))
+    below = owned.output_below(Path(run_dir))
+    if below is not None:
+        what = "a run" if below[1]["kind"] == "run" else f"the output of dtlab {below[1]['kind']}"
+        raise ConfigError(f"run.dir '{run_dir}' holds {what} in '{below[0]}', which this run's "
+                          "files would sit among and be collected and reported with; fix: a "
+                          "run.dir of its own beside it")
+    link = Path(run_dir) / "config.yaml"
+    if link.is_symlink():
+        raise ConfigError(f"run.dir '{run_dir}' holds config.yaml as a link to "
+                          f"'{os.readlink(link)}', which the run would replace with a file of its "
+                          "resolved config; fix: remove the link (--config can name the file "
+                          "itself), or choose another run.dir")
     record = owned.read(run_dir)
     if record is not None and record["kind"] != "run":
         raise ConfigError(f"run.dir '{run_dir}' holds the output of dtlab {record['kind']}, not a "
@@ -307,7 +319,9 @@ def inside(checkpoint: Path, run_dir: Path) -> bool:
 def check_config(manifest: dict[str, Any], config: dict[str, Any], path: Path,
                  run_dir: Path) -> None:
     """Refuse to resume a checkpoint written with another config (keys outside RESUMABLE)."""
-    changed = data_changes((manifest.get("run") or {}).get("data"), data_identity(config))
+    data_dir = (config.get("data") or {}).get("dir")
+    changed = data_changes((manifest.get("run") or {}).get("data"), data_identity(config),
+                           Path(data_dir) if data_dir else None)
     if changed:
         raise CheckpointError(
             f"checkpoint '{path}' was trained on other data than data.dir "

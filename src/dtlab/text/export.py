@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dtlab import atomic_write, files
+from dtlab import atomic_write, files, owned
 from dtlab.errors import DtlabError
 from dtlab.levers import lora
 from dtlab.models import gpt_hf, hf
@@ -120,6 +120,7 @@ def check_replace(out: Path, kind: str, checkpoint: Path, overwrite: bool) -> No
         raise DtlabError(f"-o/--output '{out}' overlaps the checkpoint '{checkpoint}' it is "
                          "read from, or its run's own outputs; fix: choose a path outside the "
                          "checkpoint and its run")
+    owned.check_made_from(out, "-o/--output", [run])  # another run's, compare's, sweep's
     if any(target == p or target in p.parents for p in (Path.cwd().resolve(),
                                                        Path.home().resolve())):
         raise DtlabError(f"-o/--output '{out}' holds the current or the home directory, which an "

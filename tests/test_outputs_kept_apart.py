@@ -1,0 +1,121 @@
+"""The outside audits' remaining findings: outputs that would sit among, or pass for, another output's
+are refused in one line with the user's files left byte for byte (a run in a folder holding
+another run, a results table, report, figures or export written into another run's or sweep's
+directory, one run counted twice by collect, a config.yaml link replaced by a file); true/false
+given for a number is refused instead of read as 1/0; a resume over the same token files no
+longer described by meta.json is not reported as changed data."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import dtlab
+from test_bad_inputs import refused
+
+QUICK = ["train.max_steps=2", "run.progress=false", "run.save_model=false",
+         "train.checkpoint_every=2"]
+
+
+def ok(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """runs/a and runs/b: two finished 2-step runs, each with a checkpoint at step 2."""
+    work = tmp_path_factory.mktemp("two_runs")
+    for name in ("a", "b"):
+        ok(dtlab("train", *QUICK, f"run.dir=runs/{name}", cwd=work))
+    return work
+
+
+@pytest.fixture
+def work(two_runs: Path, tmp_path: Path) -> Path:
+    shutil.copytree(two_runs, tmp_path / "w", symlinks=True)
+    return tmp_path / "w"
+
+
+def test_a_run_in_a_folder_holding_another_run_is_refused(work: Path) -> None:
+    """Its files would sit among the other's, and `collect runs` would count them together."""
+    line = refused(["train", *QUICK, "run.dir=runs"], work)
+    assert line == (f"dtlab: error: run.dir 'runs' holds a run in '{Path('runs/a')}', which this "
+                    "run's files would sit among and be collected and reported with; fix: a "
+                    "run.dir of its own beside it"), line
+    assert refused(["train", *QUICK, "run.dir=."], work).startswith(
+        "dtlab: error: run.dir '.' holds a run in 'runs/a'")
+
+
+@pytest.mark.parametrize("args", [
+    ["collect", "runs/a", "-o", "runs/b/results.csv"],
+    ["report", "runs/a", "-o", "runs/b/report.html"],
+    ["export", "runs/a/checkpoints/step_000002", "-o", "runs/b/model.safetensors"],
+    ["export", "runs/a/checkpoints/step_000002", "-o", "runs/b/weights.safetensors"],
+], ids=["collect", "report", "export", "export-other-name"])
+def test_an_output_written_into_another_runs_directory_is_refused(work: Path,
+                                                                  args: list[str]) -> None:
+    out = args[-1]
+    line = refused(args, work)
+    assert line == (f"dtlab: error: -o/--output '{out}' is inside the run directory "
+                    f"'{work / 'runs/b'}', and what is written there would pass for that "
+                    "output's own; fix: a path outside it"), line
+
+
+def test_an_output_made_from_that_directory_is_written_there(work: Path) -> None:
+    ok(dtlab("collect", "runs/a", "-o", "runs/a/results.csv", cwd=work))
+    ok(dtlab("report", "runs/a", "-o", "runs/a/mine.html", cwd=work))
+    ok(dtlab("export", "runs/a/checkpoints/step_000002", "-o", "runs/a/w.safetensors", cwd=work))
+
+
+def test_collect_counts_a_run_once_whatever_reaches_it_twice(work: Path) -> None:
+    line = refused(["collect", "runs", "runs/a", "-o", "all.csv"], work)
+    assert line == ("dtlab: error: 'runs/a' holds only runs that an earlier DIR holds, which would "
+                    "count them twice; fix: pass each directory once"), line
+    refused(["collect", "runs/a", "runs/a", "-o", "all.csv"], work)
+    ok(dtlab("collect", "runs/a", "runs", "-o", "all.csv", cwd=work))
+    assert len((work / "all.csv").read_text().splitlines()) == 1 + 2  # header, a, b
+
+
+def test_a_config_yaml_link_in_run_dir_is_refused_and_kept(work: Path) -> None:
+    (work / "mine.yaml").write_text("train: {lr: 0.05}\n")
+    (work / "r").mkdir()
+    os.symlink("../mine.yaml", work / "r/config.yaml")
+    line = refused(["train", "--config", "r/config.yaml", *QUICK, "run.dir=r"], work)
+    assert line == ("dtlab: error: run.dir 'r' holds config.yaml as a link to '../mine.yaml', "
+                    "which the run would replace with a file of its resolved config; fix: remove "
+                    "the link (--config can name the file itself), or choose another run.dir")
+    assert os.readlink(work / "r/config.yaml") == "../mine.yaml"
+
+
+@pytest.mark.parametrize(("key", "value", "kind"), [
+    ("train.max_steps", "true", "integer"), ("train.lr", "false", "number"),
+    ("data.synthetic.num_classes", "true", "integer")])
+def test_true_or_false_for_a_number_is_refused(tmp_path: Path, key: str, value: str,
+                                               kind: str) -> None:
+    line = refused(["train", f"{key}={value}", "run.dir=r"], tmp_path)
+    assert line.startswith(f"dtlab: error: {key}: Input should be a valid {kind} (got '{value}')")
+
+
+def test_the_same_token_files_without_meta_json_are_not_changed_data(tmp_path: Path) -> None:
+    from dtlab.files import file_sha256
+    from dtlab.run.data_identity import data_changes, data_identity
+
+    (tmp_path / "train.bin").write_bytes(b"\x01\x00" * 64)
+    (tmp_path / "val.bin").write_bytes(b"\x02\x00" * 16)
+    meta = {"files": {n: {"bytes": (tmp_path / n).stat().st_size,
+                          "sha256": file_sha256(tmp_path / n)} for n in ("train.bin", "val.bin")}}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    config = {"data": {"name": "tokens", "dir": str(tmp_path)}}
+    saved = data_identity(config)
+    (tmp_path / "meta.json").unlink()
+    assert data_changes(saved, data_identity(config), tmp_path) == ""
+    (tmp_path / "train.bin").write_bytes(b"\x03\x00" * 64)  # the same size, other tokens
+    assert data_changes(saved, data_identity(config), tmp_path) == "train.bin (sha256)"
+    (tmp_path / "val.bin").write_bytes(b"\x02\x00" * 17)
+    assert data_changes(saved, data_identity(config), tmp_path) == \
+        "train.bin (sha256), val.bin (sha256)"
