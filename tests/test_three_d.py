@@ -100,3 +100,30 @@ def test_estimate_gives_the_3d_runs_bytes_per_rank(runs: Path) -> None:
     measured = summary(runs / run_label("fsdp@pp2.tp2"))["memory_per_rank"]
     assert estimated == [measured[k] for k in ("param_bytes", "grad_bytes", "optim_bytes")]
     assert row["exact"] and row["source"] == "measured (fake backend)"
+
+
+@pytest.mark.parametrize(("schedule", "nproc", "tp"), [
+    ("zbv", 4, 2), ("interleaved_zb", 2, 1), ("dualpipev", 2, 1)])
+def test_zero_bubble_schedules_match_single(runs: Path, session_dir: Path, schedule: str,
+                                            nproc: int, tp: int) -> None:
+    """The backward split into input and weight gradients, the weights' part filling the bubble:
+    one pipeline of 2 ranks (x 2 tensor-parallel ranks for ZBV), 4 stages, as single trained."""
+    out = session_dir / f"zero-bubble-{schedule}"
+    s = train(out, *SETTINGS, "strategy.name=single", "parallel.pp=2", f"parallel.tp={tp}",
+              f"strategy.pp.schedule={schedule}", "train.checkpoint_every=0", nproc=nproc)
+    pipeline = s["pipeline"]
+    assert (pipeline["schedule"], pipeline["stages"], pipeline["bubble_theory"]) == (schedule, 4, None)
+    assert 0 <= pipeline["bubble_measured"] < 1
+    assert max_rel_dev(step_losses(out), step_losses(runs / "single")) < TOL
+
+
+def test_zero_bubble_with_data_parallel_replicas_is_refused(tmp_path: Path) -> None:
+    from test_bad_inputs import refused
+
+    line = refused(["train", "--nproc-per-node", "4", *SETTINGS, "strategy.name=fsdp",
+                    "parallel.pp=2", "strategy.pp.schedule=zbv", "run.dir=r"], tmp_path)
+    assert line == (
+        "dtlab: error: strategy.pp.schedule=zbv splits each backward into its input and weight "
+        "gradients, and the 2 data-parallel replicas' gradients are not reduced right under that "
+        "split (FSDP replicas drift from one process); fix: one pipeline, single@pp2 on 2 ranks, "
+        "or schedule=interleaved_1f1b|1f1b with replicas"), line

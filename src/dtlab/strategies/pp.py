@@ -31,15 +31,19 @@ from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
+from dtlab.config.strategies.pp_spec import MULTI_STAGE_SCHEDULES, V_SCHEDULES, ZERO_BUBBLE
 from dtlab.config.strategies.pp_spec import degree as pipeline_degree
 from dtlab.data import EvalLoader
 from dtlab.models import loss_fn
@@ -57,6 +61,8 @@ from dtlab.strategies.fsdp import shard
 SCHEDULES: dict[str, Any] = {
     "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B, "looped_bfs": ScheduleLoopedBFS,
+    "interleaved_zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
 
 
@@ -79,7 +85,9 @@ class PP(Strategy):
         # the rank of a tensor-parallel group that reports what its group computed alike
         self.reports = self.tp_mesh is None or self.tp_mesh.get_local_rank() == 0
         self.pp_rank = mesh["pp"].get_local_rank()
-        self.stage_ids = [self.pp_rank + i * self.degree for i in range(self.per_rank)]
+        self.stage_ids = [self.pp_rank, 2 * self.degree - 1 - self.pp_rank] \
+            if o.schedule in V_SCHEDULES else \
+            [self.pp_rank + i * self.degree for i in range(self.per_rank)]
         self.has_first, self.has_last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
         # FSDP's MixedPrecisionPolicy casts parameters and inputs when it syncs the replicas
         self.wrapper_casts = self.dp_size > 1 and o.dp == "fsdp"
@@ -140,7 +148,11 @@ class PP(Strategy):
 
     # --- evaluation and state -----------------------------------------------------------------
     def _peer(self, stage: int) -> int:
-        return dist.get_global_rank(self.pp_group, stage % self.degree)
+        """The global rank holding `stage`: looping (stage % degree), or the V's way back."""
+        p = self.degree
+        local = 2 * p - 1 - stage if self.cfg.strategy.pp.schedule in V_SCHEDULES and stage >= p \
+            else stage % p
+        return dist.get_global_rank(self.pp_group, local)
 
     @torch.no_grad()
     def evaluate(self, forward: nn.Module, loader: EvalLoader) -> dict[str, Any]:
@@ -228,8 +240,9 @@ class PipelineStep(StepEngine):
         cls = SCHEDULES[strategy.cfg.strategy.pp.schedule]
         # scale_grads=False: the loss below is divided by the microbatches instead (dividing the
         # gradients after the step would also divide earlier accumulation micro steps' share).
-        self.schedule = cls(strategy.stages if cls in (ScheduleInterleaved1F1B, ScheduleLoopedBFS)
-                            else strategy.stages[0], n_microbatches=strategy.microbatches,
+        multi = strategy.cfg.strategy.pp.schedule in MULTI_STAGE_SCHEDULES
+        self.schedule = cls(strategy.stages if multi else strategy.stages[0],
+                            n_microbatches=strategy.microbatches,
                             loss_fn=self._loss, scale_grads=False)
 
     def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -293,7 +306,10 @@ class PipelineStep(StepEngine):
             "schedule": pp.cfg.strategy.pp.schedule, "ranks": p, "stages_per_rank": v,
             "stages": pp.n_stages, "microbatches": m,
             "blocks_per_stage": [len(b) for b in pp.blocks],
-            "bubble_theory": (p - 1) / (v * m + p - 1),
+            # equal stage costs, backward as one piece; zero bubble schedules fill part of it
+            # with the weights' gradients, so there the measured bubble is the number
+            "bubble_theory": None if pp.cfg.strategy.pp.schedule in ZERO_BUBBLE
+            else (p - 1) / (v * m + p - 1),
             "bubble_measured": sum(bubbles) / len(bubbles),
             "bubble_measured_per_rank": bubbles,
             "busy_s_per_step_per_rank": [b for b, _ in per_rank],

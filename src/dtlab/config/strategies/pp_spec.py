@@ -17,15 +17,22 @@ if TYPE_CHECKING:
 
 KEY = "strategy.pp.degree"
 TP_KEY = "strategy.pp.tp"
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs")  # several stages per rank
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv",
+                "dualpipev")
+# several stages per rank: looping (stage s on rank s % degree), or V-shaped (rank r holds stages
+# r and 2 x degree - 1 - r: the first and the last on rank 0)
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")
+# zero bubble: the backward is split into its input and weight gradients, and the weights'
+# part fills the bubble (torch.distributed.pipelining's schedules of the same names)
+ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
 
 
 class PPOptions(Section):
     degree: NonNegativeInt = 0  # ranks per pipeline; 0 = every rank
     schedule: Literal[PP_SCHEDULES] = "1f1b"  # type: ignore[valid-type]
     microbatches: PositiveInt = 4  # per micro batch (each rank's batch is split into these)
-    stages_per_rank: NonNegativeInt = 0  # 0 = 2 for interleaved_1f1b/looped_bfs, else 1
+    stages_per_rank: NonNegativeInt = 0  # 0 = 2 for the interleaved, looped and V schedules, else 1
     # how pipeline replicas (world / degree > 1) sync; none: no replicas (world = degree)
     dp: Literal["ddp", "fsdp", "none"] = "fsdp"
     tp: PositiveInt = 1  # tensor-parallel ranks inside each stage (3-D: pp x dp x tp)
@@ -75,6 +82,22 @@ def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
             f"strategy.pp.stages_per_rank={p.stages_per_rank}; fix: stages_per_rank=1, or "
             "schedule=interleaved_1f1b|looped_bfs"
         )
+    if p.schedule in V_SCHEDULES and p.stages_each() != 2:
+        raise ConfigError(
+            f"strategy.pp.schedule={p.schedule} places two stages on each rank (a V), not "
+            f"strategy.pp.stages_per_rank={p.stages_per_rank}; fix: stages_per_rank=2 (or 0)")
+    if p.schedule in ZERO_BUBBLE and world_size > d * p.tp:
+        dims = f"pp{d}" + (f".tp{p.tp}" if p.tp > 1 else "")
+        raise ConfigError(
+            f"strategy.pp.schedule={p.schedule} splits each backward into its input and weight "
+            f"gradients, and the {world_size // (d * p.tp)} data-parallel replicas' gradients are "
+            "not reduced right under that split (FSDP replicas drift from one process); fix: one "
+            f"pipeline, single@{dims} on {d * p.tp} ranks, or schedule=interleaved_1f1b|1f1b "
+            "with replicas")
+    if p.schedule == "dualpipev" and p.microbatches < 2 * d:
+        raise ConfigError(
+            f"strategy.pp.schedule=dualpipev needs strategy.pp.microbatches={p.microbatches} >= "
+            f"its {2 * d} stages; fix: strategy.pp.microbatches={2 * d}")
     if stages > m.n_layer:
         raise ConfigError(
             f"{d} ranks x strategy.pp.stages_per_rank={p.stages_each()} = {stages} pipeline "
@@ -86,9 +109,9 @@ def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
             f"pipeline degree {d}; fix: raise strategy.pp.microbatches"
         )
     rounds = max(1, p.microbatches // d)
-    if p.schedule == "interleaved_1f1b" and p.microbatches % rounds:
+    if p.schedule in ("interleaved_1f1b", "interleaved_zb") and p.microbatches % rounds:
         raise ConfigError(
-            f"strategy.pp.schedule=interleaved_1f1b needs strategy.pp.microbatches="
+            f"strategy.pp.schedule={p.schedule} needs strategy.pp.microbatches="
             f"{p.microbatches} to be a multiple of its {rounds} rounds (microbatches // degree); "
             f"fix: use a multiple of {d}"
         )
@@ -106,7 +129,7 @@ def label(options: dict[str, Any]) -> str:
 
 
 SPEC = StrategySpec(
-    name="pp", impl="pp:PP", about="pipeline parallelism (gpipe, 1f1b, interleaved, looped)",
+    name="pp", impl="pp:PP", about="pipeline parallelism (gpipe, 1f1b, interleaved, looped, zero bubble)",
     options=PPOptions, variant=("strategy.pp.schedule", PP_SCHEDULES,
                                               f"a schedule ({', '.join(PP_SCHEDULES)})"), mesh_key=KEY,
     check=check, model_parallel=model_parallel, label=label, distinct_ranks=stage_ranks,
