@@ -268,14 +268,16 @@ def test_export_replaces_an_earlier_export_of_the_same_kind(ckpt: Path, tmp_path
     (hf / "tokenizer.json").write_text("{}")
     assert one_line(dtlab("export", str(ckpt), "--format", "hf", "-o", str(hf))) == (
         f"dtlab: error: -o/--output '{hf}' is a directory holding files dtlab export did not "
-        "write (tokenizer.json), and exporting would replace it; fix: choose another -o, or add "
-        "--overwrite to replace it")
+        "write (tokenizer.json), which exporting there would delete; fix: choose another -o, or "
+        "move them out of it")
     assert one_line(dtlab("export", str(ckpt), "-o", str(hf / "config.json"))).endswith(
         "is a file that dtlab export did not write, and exporting would replace it; fix: choose "
         "another -o, or add --overwrite to replace it")
     assert (hf / "tokenizer.json").exists()
-    assert dtlab("export", str(ckpt), "--format", "hf", "-o", str(hf), "--overwrite").returncode == 0
-    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]
+    # --overwrite replaces what is not an export, never the user's files beside an export
+    assert one_line(dtlab("export", str(ckpt), "--format", "hf", "-o", str(hf), "--overwrite")) \
+        .endswith("which exporting there would delete; fix: choose another -o, or move them out of it")
+    assert (hf / "tokenizer.json").read_text() == "{}"
 
 
 def test_export_never_replaces_the_checkpoint_or_its_run(ckpt: Path) -> None:

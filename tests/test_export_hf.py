@@ -163,8 +163,10 @@ def test_bad_inputs_are_one_line(runs: Path, tmp_path: Path) -> None:
     (full / "keep.txt").write_text("mine")
     assert refused(ckpt, "--format", "hf", "-o", str(full)) == (
         f"dtlab: error: -o/--output '{full}' is a directory holding files dtlab export did not "
-        "write (keep.txt), and exporting would replace it; fix: choose another -o, or add "
-        "--overwrite to replace it")
+        "write (keep.txt), which exporting there would delete; fix: choose another -o, or move "
+        "them out of it")
+    assert refused(ckpt, "--format", "hf", "-o", str(full), "--overwrite").startswith(
+        f"dtlab: error: -o/--output '{full}' is a directory holding files")
     assert [p.name for p in full.iterdir()] == ["keep.txt"]
     line = refused(ckpt, "--format", "hf", "-o", str(full / "keep.txt"))
     assert "is a file, not a directory; fix: name a new directory" in line

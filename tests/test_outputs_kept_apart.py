@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import dtlab
+from conftest import CONFIGS, dtlab
 from test_bad_inputs import refused
 
 QUICK = ["train.max_steps=2", "run.progress=false", "run.save_model=false",
@@ -119,3 +119,73 @@ def test_the_same_token_files_without_meta_json_are_not_changed_data(tmp_path: P
     (tmp_path / "val.bin").write_bytes(b"\x02\x00" * 17)
     assert data_changes(saved, data_identity(config), tmp_path) == \
         "train.bin (sha256), val.bin (sha256)"
+
+
+@pytest.mark.parametrize("command", [
+    ["compare", "--strategies", "single", "--nproc-per-node", "1", *QUICK[:2], "--out", "runs"],
+    ["sweep", "s.yaml", "--out", "runs"]], ids=["compare", "sweep"])
+def test_a_compare_or_sweep_out_holding_another_output_is_refused(work: Path,
+                                                                  command: list[str]) -> None:
+    """Its results (compare.csv, a sweep's results.csv and report) and `collect` would count
+    the other runs in with its own."""
+    (work / "s.yaml").write_text(f"base: {CONFIGS / 'quick.yaml'}\nmatrix: {{seed: [1]}}\n")
+    line = refused(command, work)
+    assert line == (f"dtlab: error: --out 'runs' holds a run in '{Path('runs/a')}', which this "
+                    "command's results would count in; fix: a directory of its own beside it"), line
+
+
+def test_a_compare_again_removes_the_earlier_report_and_keeps_its_runs_its_own(
+        tmp_path: Path) -> None:
+    """The report of the earlier runs would describe runs that are gone; a `dtlab train` into
+    one of its runs (while no compare runs) would leave the table describing another run."""
+    compare = ["compare", "--strategies", "single", "--nproc-per-node", "1", *QUICK[:3],
+               "--out", "c"]
+    ok(dtlab(*compare, cwd=tmp_path))
+    ok(dtlab("report", "c", cwd=tmp_path))
+    assert {"report.html", "results.csv", "plots"} <= {p.name for p in (tmp_path / "c").iterdir()}
+    (tmp_path / "c/notes.txt").write_text("mine")
+    ok(dtlab(*compare, "train.lr=0.03", cwd=tmp_path))
+    left = {p.name for p in (tmp_path / "c").iterdir()}
+    assert not {"report.html", "results.csv", "plots"} & left and "notes.txt" in left
+    line = refused(["train", *QUICK, "train.lr=0.3", "run.dir=c/single", "run.overwrite=true"],
+                   tmp_path)
+    assert line == (f"dtlab: error: run.dir 'c/single' is a run of dtlab compare '{tmp_path / 'c'}'"
+                    ", whose table describes it; fix: run that compare again to retrain it, or a "
+                    "run.dir outside it"), line
+
+
+def test_a_run_dir_through_a_link_into_another_run_is_refused(work: Path) -> None:
+    (work / "runs/a/sub").mkdir()
+    os.symlink("runs/a/sub", work / "lk")
+    line = refused(["train", *QUICK, "run.dir=lk"], work)
+    assert line == (f"dtlab: error: run.dir 'lk' is inside the run directory '{work / 'runs/a'}', "
+                    "whose files that run may replace or delete; fix: a run.dir outside it"), line
+
+
+def test_prepare_refuses_token_files_it_did_not_write(tmp_path: Path) -> None:
+    """nanoGPT's prepare.py writes train.bin and val.bin without meta.json: dtlab trains on
+    them (data.dir), and `dtlab prepare --out` there would replace them."""
+    import numpy as np
+
+    (tmp_path / "d").mkdir()
+    np.arange(2000, dtype=np.uint16).tofile(tmp_path / "d/train.bin")
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    line = refused(["prepare", "a.txt", "--out", "d"], tmp_path)
+    assert line == (f"dtlab: error: --out 'd' holds train.bin, which no meta.json of dtlab prepare "
+                    "describes (token files made elsewhere), and preparing replaces the whole "
+                    f"directory; fix: choose another --out, e.g. {Path('d/tokens')}, or move them "
+                    "out of it"), line
+
+
+def test_token_files_without_meta_json_are_hashed(tmp_path: Path) -> None:
+    """Rewritten with other tokens of the same length, they are other data to a resume."""
+    from dtlab.run.data_identity import data_changes, data_identity
+
+    (tmp_path / "train.bin").write_bytes(b"\x01\x00" * 64)
+    (tmp_path / "val.bin").write_bytes(b"\x02\x00" * 16)
+    config = {"data": {"name": "tokens", "dir": str(tmp_path)}}
+    saved = data_identity(config)
+    assert set(saved["train.bin"]) == {"bytes", "sha256"}
+    assert data_changes(saved, data_identity(config), tmp_path) == ""
+    (tmp_path / "train.bin").write_bytes(b"\x05\x00" * 64)
+    assert data_changes(saved, data_identity(config), tmp_path) == "train.bin (sha256)"

@@ -46,7 +46,8 @@ def test_compare_refuses_a_users_run_in_its_out_before_any_run(tmp_path: Path) -
 
 def test_compare_replaces_its_own_runs_and_keeps_the_users_files(tmp_path: Path) -> None:
     """compare twice into one --out, a report written there in between: the second compare
-    trains its run anew; the user's notes beside the runs and the report's files stay."""
+    trains its run anew and removes that report (it described the earlier runs); the user's
+    notes beside the runs stay."""
     args = ["compare", "--strategies", "single", "--out", "cmp", "train.max_steps=2",
             "run.timing_warmup_steps=1"]
     with fast_launches():
@@ -57,7 +58,8 @@ def test_compare_replaces_its_own_runs_and_keeps_the_users_files(tmp_path: Path)
         ok(dtlab(*args, cwd=tmp_path))
     assert (tmp_path / "cmp" / "single" / "summary.json").stat().st_mtime_ns > first
     assert (tmp_path / "cmp" / "notes.txt").read_text() == "mine\n"
-    assert (tmp_path / "cmp" / "report.html").is_file() and (tmp_path / "cmp" / "results.csv").is_file()
+    assert not any((tmp_path / "cmp" / name).exists() for name in ("report.html", "results.csv",
+                                                                    "plots"))
     record = json.loads((tmp_path / "cmp" / RECORD).read_text())
     assert (record["kind"], record["entries"]) == ("compare", ["compare.csv", "compare.json", "single"])
 

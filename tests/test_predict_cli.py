@@ -256,3 +256,28 @@ def test_a_validating_run_times_about_1_5_s_of_steps(predicted_s: float, timed: 
 
     steps = run_steps(predicted_s)
     assert steps - warmup_of(steps) == timed
+
+
+def test_advise_searches_layouts_and_traces_the_fastest_that_fit() -> None:
+    """advise --cluster on 8 GPUs: data-parallel strategies and FLAVOUR@ppP.tpT layouts with
+    their microbatch counts are searched; what dtlab refuses says why; the fastest that fit by
+    the screen are traced by predict and ranked by its step time."""
+    proc = dtlab("advise", "--config", "configs/fsdp_gpt.yaml", "--gpus", "8", "--gpu-memory", "80",
+                 "--cluster", "h100_sxm_8x", "--trace-most", "2", "--json", "train.precision=bf16")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    searched = {(r["layout"], r["microbatches"]): r for r in out["searched"]}
+    assert {("fsdp", None), ("fsdp@tp2", None), ("fsdp@pp2.tp2", 2), ("single@pp2.tp4", 2),
+            ("ddp@pp4", 4)} <= set(searched)
+    refused = searched[("ddp@tp2", None)]["refused"]
+    assert "which dtlab runs with fsdp or single only; fix: fsdp@tp2" in refused
+    screened = [r for r in out["searched"] if r["screen"]]
+    assert all(r["screen"]["step_s"] >= r["screen"]["compute_s"] > 0 for r in screened)
+    pipelines = [r for r in screened if r["layout"] == "fsdp@pp2" and r["microbatches"]]
+    assert all(r["screen"]["bubble_s"] == pytest.approx(r["screen"]["compute_s"] / r["microbatches"])
+               for r in pipelines)  # (p - 1) / m of the compute, p = 2
+    ranked = out["by_step_time"]
+    assert len(ranked) == 2 and ranked[0]["slower"] == 1
+    assert [r["step_s"] for r in ranked] == sorted(r["step_s"] for r in ranked)
+    traced = [r for r in out["searched"] if r["predicted_step_s"]]
+    assert len(traced) == 2 and out["why"].startswith(ranked[0]["strategy"])

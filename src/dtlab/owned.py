@@ -121,16 +121,22 @@ def enclosing(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
-def check_not_nested(directory: Path, flag: str) -> None:
+def check_not_nested(directory: Path, flag: str, own: Iterable[str] = ()) -> None:
     """A command's output directory is not inside another's (a run's, a compare's, a sweep's):
     that owner may replace or delete what is under it, and its results would count these runs
-    as its own."""
+    as its own. Nor does it hold another output below it (outside `own`, the names of its own
+    entries), which its results would count in."""
     found = enclosing(directory)
     if found is not None:
         above, record = found
         raise NotOurs(f"{flag} '{directory}' is inside the output of dtlab {record['kind']} "
                           f"'{above}', which that command may replace or delete and whose results "
                           "would count it in; fix: a directory outside it")
+    below = output_below(Path(directory), skip=set(own))
+    if below is not None:
+        what = "a run" if below[1]["kind"] == "run" else f"the output of dtlab {below[1]['kind']}"
+        raise NotOurs(f"{flag} '{directory}' holds {what} in '{below[0]}', which this command's "
+                      "results would count in; fix: a directory of its own beside it")
 
 
 def claim(directory: Path, kind: str, owner: str, writes: Iterable[str], flag: str,
@@ -188,13 +194,17 @@ def check_made_from(path: Path, flag: str, sources: Iterable[Path]) -> None:
                   "pass for that output's own; fix: a path outside it")
 
 
-def output_below(directory: Path, depth: int = 3, most: int = 2000) -> tuple[Path, dict] | None:
+def output_below(directory: Path, depth: int = 3, most: int = 2000,
+                 skip: set[str] | frozenset[str] = frozenset()) -> tuple[Path, dict] | None:
     """The nearest command output (figures aside) inside `directory`, looked for `depth` levels
-    down and among at most `most` folders (a run's own folders hold none)."""
+    down and among at most `most` folders (a run's own folders hold none), not inside the
+    entries named in `skip` (a command's own)."""
     top = Path(directory)
     looked = 0
     for folder, subdirs, names in os.walk(top):
         level = len(Path(folder).relative_to(top).parts)
+        if level == 0:
+            subdirs[:] = [d for d in subdirs if d not in skip]
         if level and RECORD in names:
             record = read(Path(folder))
             if record is not None and record["kind"] != "plot":

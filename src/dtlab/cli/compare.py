@@ -31,6 +31,7 @@ from dtlab.errors import ConfigError
 from dtlab.instruments.machine_load import mfu_line, warning
 from dtlab.process.interrupt import INTERRUPT_CODES, Interrupted, forwarding, requested
 from dtlab.process.launcher_guard import launcher_env
+from dtlab.results.outputs import remove_report
 from dtlab.run import dir_lock
 from dtlab.run import owner as run_owner
 from dtlab.rundir.hints import RESUME_HINT_ENV
@@ -237,7 +238,9 @@ def _compare(args: argparse.Namespace) -> int:
     plans = check_arguments(args)
     out = Path(args.out)
     results_files = ("compare.csv", "compare.json")  # one owner: any compare's, nothing else
-    owned.check_not_nested(out, "--out")
+    earlier = owned.read(out)
+    own = earlier["entries"] if earlier and earlier["kind"] == "compare" else []
+    owned.check_not_nested(out, "--out", [*map(run_label, plans), *own])
     mine = owned.claim(out, "compare", "compare", [*map(run_label, plans), *results_files], "--out")
     with dir_lock.held(out, "--out", "compare"):  # a second compare here would replace these runs
         return _compare_in(args, plans, out, mine, results_files)
@@ -258,6 +261,7 @@ def _compare_in(args: argparse.Namespace, plans: dict[str, list[str]], out: Path
     for name in results_files:  # the earlier table goes first: a compare cut short leaves none
         if name in mine.entries:
             (out / name).unlink(missing_ok=True)
+    remove_report(out)  # `dtlab report`'s of the earlier runs: it would describe runs now gone
     extra = ["run.progress=false"] + (["run.log_every=1", "run.save_model=true"] if args.verify else [])
     numerics = verify_numerics(args)  # before the overrides: an explicit setting wins
     rows, failed, results = [], [], {}

@@ -132,6 +132,13 @@ def add_advise_arguments(p: argparse.ArgumentParser) -> None:
                    help="host memory per node in GB, for offloading (default: not checked)")
     p.add_argument("--reserve", default=0.0, type=number(0, "--reserve 2"), metavar="GB",
                    help="memory per GPU to keep free in GB: CUDA context, allocator (default: 0)")
-    p.add_argument("--cluster", metavar="NAME|FILE", help="with --config: also rank the dtlab "
-                   "strategies of the layouts that fit by their step time, predicted on this "
-                   "cluster (dtlab predict; default: memory only)")
+    p.add_argument("--cluster", metavar="NAME|FILE", help="with --config: also search the "
+                   "layouts of --gpus (data-parallel strategies, tensor and pipeline degrees), "
+                   "and rank the fastest that fit by their step time predicted on this cluster "
+                   "(dtlab predict; default: memory only)")
+    p.add_argument("--trace-most", type=positive("--trace-most 4", int), default=4, metavar="N",
+                   help="with --cluster: layouts traced by dtlab predict, the fastest that fit "
+                   "by the screen (default: 4)")
+    p.add_argument("--search-budget", type=positive("--search-budget 120"), default=120.0,
+                   metavar="SECONDS", help="with --cluster: stop tracing more layouts after "
+                   "this many seconds (default: 120; the first is always traced)")

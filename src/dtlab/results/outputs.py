@@ -5,9 +5,10 @@ RUN/summary.json` must not turn a run's record into HTML."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
-from dtlab import atomic_write, files
+from dtlab import atomic_write, files, owned
 
 # kind -> (what the file is called in messages, a test on its first bytes)
 KINDS = {
@@ -27,3 +28,18 @@ def write_output(path: Path, text: str, kind: str) -> Path:
     check_replaceable(path, kind)
     return atomic_write.write_atomic(Path(path), lambda draft: draft.write_text(text, newline=""),
                         f"writing '{path}'", "-o/--output")
+
+
+def remove_report(directory: Path) -> None:
+    """`dtlab report`'s outputs in a directory whose runs are about to be replaced (a compare run
+    again): report.html, results.csv and plots/, each only where dtlab wrote it."""
+    directory = Path(directory)
+    for name, kind in (("report.html", "report"), ("results.csv", "csv")):
+        path = directory / name
+        if path.is_file() and not path.is_symlink():
+            with open(path, "rb") as f:
+                if KINDS[kind][1](f.read(4096)):
+                    path.unlink()
+    plots = directory / "plots"
+    if plots.is_dir() and not plots.is_symlink() and (owned.read(plots) or {}).get("kind") == "plot":
+        shutil.rmtree(plots)

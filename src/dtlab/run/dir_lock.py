@@ -82,3 +82,21 @@ def held(run_dir: Path, flag: str = "run.dir", what: str = "run") -> Iterator[No
             with contextlib.suppress(OSError):
                 if ident(d) == was:
                     d.rmdir()
+
+
+def in_use(path: Path) -> bool:
+    """Whether a process holds `path`'s lock now (a compare or sweep running its runs there)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

@@ -28,6 +28,7 @@ from dtlab import files, owned
 from dtlab.config import Config
 from dtlab.config.load import flatten
 from dtlab.errors import ConfigError, DtlabError
+from dtlab.run import dir_lock
 from dtlab.run.data_identity import data_changes, data_identity
 from dtlab.run.dir_watch import DirectoryWatch
 from dtlab.run.sweep_record import is_record
@@ -234,7 +235,11 @@ def check_not_inside(run_dir: Path) -> None:
     """run.dir is not inside another dtlab output, which its owner may replace or prune (a run's
     checkpoints, a compare's or sweep's folders), except where that owner put this run: a
     compare's strategy directory it recorded, a sweep's run directory it planned (run.json)."""
-    path = Path(os.path.abspath(run_dir))
+    for path in {Path(os.path.abspath(run_dir)), Path(os.path.realpath(run_dir))}:  # links too
+        _check_not_inside(run_dir, path)
+
+
+def _check_not_inside(run_dir: Path, path: Path) -> None:
     found = owned.enclosing(path)
     for above in path.parents:  # a checkpoint lies inside its run: said first, as the nearer
         if (above / MANIFEST).is_file():
@@ -246,6 +251,11 @@ def check_not_inside(run_dir: Path) -> None:
         return
     above, record = found
     kind = record["kind"]
+    if kind == "compare" and path.parent == above and path.name in record["entries"] and \
+            not dir_lock.in_use(above):  # while no compare runs there: its table describes it
+        raise ConfigError(f"run.dir '{run_dir}' is a run of dtlab compare '{above}', whose table "
+                          "describes it; fix: run that compare again to retrain it, or a run.dir "
+                          "outside it")
     planned = (kind == "compare" and path.parent == above and path.name in record["entries"]) \
         or (kind == "sweep" and path.parent == above / "runs" and (path / "run.json").is_file())
     if not planned:

@@ -144,7 +144,7 @@ def claim(out_dir: Path, spec_path: str, flag: str) -> owned.Owned:
     nothing is written."""
     path = Path(spec_path).resolve()
     digest = hashlib.sha256(str(path).encode() + b"\0" + path.read_bytes()).hexdigest()[:16]
-    owned.check_not_nested(out_dir, flag)
+    owned.check_not_nested(out_dir, flag, ("runs",))
     mine = owned.claim(out_dir, "sweep", digest, ("sweep.json", "runs"), flag, whose=str(path),
                        elsewhere="give this spec its own --out DIR")
     from dtlab.results import check_outputs  # the results layer: imported when used

@@ -127,6 +127,9 @@ def check_replace(out: Path, kind: str, checkpoint: Path, overwrite: bool) -> No
                          f"export replaces; fix: name a new {KINDS[kind]}, e.g. -o "
                          f"{out / DEFAULTS[kind]}")
     why = _not_an_export(out, kind)
+    if why and why.startswith("is a directory holding"):  # the user's own files: --overwrite too
+        raise DtlabError(f"-o/--output '{out}' {why}, which exporting there would delete; fix: "
+                         "choose another -o, or move them out of it")
     if why and not overwrite:
         raise DtlabError(f"-o/--output '{out}' {why}, and exporting would replace it; fix: "
                          "choose another -o, or add --overwrite to replace it")

@@ -206,6 +206,23 @@ def check_out(out: Path) -> None:
             raise DataError(f"--out '{out}' holds files that are not a token data set ({shown}),"
                             " and preparing replaces the whole directory; fix: choose another "
                             f"--out, e.g. {out / 'tokens'}, or move those files out of it")
+        theirs = [n for n in ("train.bin", "val.bin") if (target / n).exists()
+                  and not _prepared(target, n)]
+        if theirs:
+            raise DataError(f"--out '{out}' holds {' and '.join(theirs)}, which no meta.json of "
+                            "dtlab prepare describes (token files made elsewhere), and preparing "
+                            f"replaces the whole directory; fix: choose another --out, e.g. "
+                            f"{out / 'tokens'}, or move them out of it")
+
+
+def _prepared(folder: Path, name: str) -> bool:
+    """Whether meta.json (dtlab prepare's) describes `name` as it is: its size recorded."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        entry = meta["files"][name]
+        return int(entry["bytes"]) == (folder / name).stat().st_size
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _tokenize(sources: list[Path | str], tok: tokenizers.Tokenizer, tokenizer: str, dtype: type,
