@@ -189,3 +189,21 @@ def test_token_files_without_meta_json_are_hashed(tmp_path: Path) -> None:
     assert data_changes(saved, data_identity(config), tmp_path) == ""
     (tmp_path / "train.bin").write_bytes(b"\x05\x00" * 64)
     assert data_changes(saved, data_identity(config), tmp_path) == "train.bin (sha256)"
+
+
+def test_lines_that_name_the_right_fix(work: Path) -> None:
+    """-o - is no standard output; a sweep's refusal names --out; a damaged checkpoint's export
+    says what to do."""
+    assert refused(["collect", "runs", "-o", "-"], work) == (
+        "dtlab: error: -o/--output '-': dtlab writes a file, not standard output; fix: name the "
+        "file, e.g. --output results.csv")
+    (work / "u").mkdir()
+    (work / "u/results.csv").write_text("mine\n")
+    (work / "s.yaml").write_text(f"base: {CONFIGS / 'quick.yaml'}\nmatrix: {{seed: [1]}}\n")
+    assert refused(["sweep", "s.yaml", "--out", "u"], work).endswith(
+        "fix: give this spec its own --out DIR, or move that file away first")
+    ckpt = work / "runs/a/checkpoints/step_000002"
+    (ckpt / "__0_0.distcp").write_bytes((ckpt / "__0_0.distcp").read_bytes()[:100])
+    assert refused(["export", str(ckpt), "-o", "m.safetensors"], work).endswith(
+        "it is truncated or was modified; fix: export another checkpoint of the run (its "
+        "checkpoints/step_NNNNNN), or restore a good copy of this one")

@@ -219,6 +219,9 @@ def input_dir(flag: str, path: str | Path, fix: str) -> Path:
 def output_file(flag: str, path: str | Path, example: str = "out") -> Path:
     """A file that will be written: not a directory, and its parent is (or can be) a directory."""
     p = Path(path)
+    if str(path) == "-":  # not standard output: a file of that name would be written
+        raise DtlabError(f"{flag} '-': dtlab writes a file, not standard output; fix: name the "
+                         f"file, e.g. {flag.split('/')[-1]} {example}")
     if p.is_dir():
         raise DtlabError(f"{flag} '{p}' is a directory; fix: name a file in it, e.g. "
                          f"{flag.split('/')[-1]} {p / example}")

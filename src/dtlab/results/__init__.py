@@ -18,13 +18,14 @@ __all__ = ["check_outputs", "collect", "plot_results", "read_csv", "write_csv", 
            "write_report"]
 
 
-def check_outputs(root: Path, report: Path | None = None) -> None:
+def check_outputs(root: Path, report: Path | None = None,
+                  fix: str = "pass -o with another file name") -> None:
     """Refuse, writing nothing, what write_outputs would replace of the user's: a results.csv or
     report.html that dtlab did not write, a file in plots/ of a name plot writes and did not
     write there (dtlab.owned: plots/ keeps its own record, the directory above is not claimed)."""
     root = Path(root)
-    check_replaceable(root / "results.csv", "csv")
-    check_replaceable(report or root / "report.html", "report")
+    check_replaceable(root / "results.csv", "csv", fix)
+    check_replaceable(report or root / "report.html", "report", fix)
     if importlib.util.find_spec("matplotlib") is not None:  # else no plots are drawn
         claim_plots(root / "plots", "the report's plots directory", elsewhere="")
 

@@ -17,10 +17,10 @@ KINDS = {
 }
 
 
-def check_replaceable(path: Path, kind: str) -> None:
+def check_replaceable(path: Path, kind: str, fix: str = "pass -o with another file name") -> None:
     """Refuse to replace a file that is not an earlier output of `kind`."""
     what, looks_right = KINDS[kind]
-    atomic_write.check_replaceable(path, what, looks_right, "pass -o with another file name")
+    atomic_write.check_replaceable(path, what, looks_right, fix)
 
 
 def write_output(path: Path, text: str, kind: str) -> Path:

@@ -149,7 +149,8 @@ def claim(out_dir: Path, spec_path: str, flag: str) -> owned.Owned:
                        elsewhere="give this spec its own --out DIR")
     from dtlab.results import check_outputs  # the results layer: imported when used
 
-    check_outputs(out_dir)  # the results it writes at the end: refused now, before any run
+    # the results it writes at the end: refused now, before any run
+    check_outputs(out_dir, fix="give this spec its own --out DIR")
     return mine
 
 

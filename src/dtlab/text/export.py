@@ -42,13 +42,27 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+def verified(path: Path) -> dict[str, Any]:
+    """verify(path), its refusal with what to do when it says none."""
+    from dtlab.run.checkpoint import CheckpointError
+
+    try:
+        return verify(path)
+    except CheckpointError as e:
+        if "; fix:" in str(e):
+            raise
+        raise CheckpointError(f"{e}; fix: export another checkpoint of the run (its "
+                              "checkpoints/step_NNNNNN), or restore a good copy of this one") \
+            from None
+
+
 def checkpoint_model(path: Path) -> tuple[Any, Any]:
     """(config, full model) of a verified checkpoint, loaded in one process."""
     from dtlab.config import Config
     from dtlab.data import spec_for
     from dtlab.models import build_model
 
-    cfg = Config.model_validate(verify(path)["config"])
+    cfg = Config.model_validate(verified(path)["config"])
     model = build_model(cfg.model, spec_for(cfg), cfg.train.lora)
     dcp_load({"model": model.state_dict()}, path)  # into the parameters the state dict shares
     return cfg, model
@@ -159,7 +173,7 @@ def export_hf(path: Path, out: Path, max_shard_bytes: int, overwrite: bool = Fal
         raise DtlabError(problem)
     check_replace(out, "hf", path, overwrite)
     files.check_writable_dir(out, "-o/--output", beside=True)
-    cfg = Config.model_validate(verify(path)["config"])
+    cfg = Config.model_validate(verified(path)["config"])
     model_cfg = cfg.model
     layout = HF_LAYOUTS.get(model_cfg.name)
     if layout is None:
