@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import dtlab, fast_launches, max_rel_dev, step_losses, train
+from conftest import CONFIGS, dtlab, fast_launches, max_rel_dev, step_losses, train
 from test_model_parallel import GPT_TINY, TOL
 
 from dtlab.cli.compare import param_deviation, run_label
@@ -127,3 +127,29 @@ def test_zero_bubble_with_data_parallel_replicas_is_refused(tmp_path: Path) -> N
         "gradients, and the 2 data-parallel replicas' gradients are not reduced right under that "
         "split (FSDP replicas drift from one process); fix: one pipeline, single@pp2 on 2 ranks, "
         "or schedule=interleaved_1f1b|1f1b with replicas"), line
+
+
+LLAMA = [f"--config={CONFIGS / 'hf_llama.yaml'}"]
+LLAMA_SETTINGS = ["model.hf.config.num_hidden_layers=4", "train.max_steps=3",
+                  "train.optimizer=sgd", "train.lr=0.1", "train.weight_decay=0",
+                  "train.checkpoint_every=0"]
+
+
+def test_a_tiny_llama_on_the_3d_mesh_matches_single(session_dir: Path) -> None:
+    """A transformers Llama (a LlamaConfig, 4 decoder layers) split into pipeline stages under
+    its own names, each stage tensor-parallel with the Llama plan, FSDP2 over the replicas:
+    fsdp@pp2.tp2 on 8 ranks with 1F1B, and the 2-D single@pp2.tp2 with interleaved 1F1B on 4."""
+    out = session_dir / "three-d-llama"
+    with fast_launches():
+        proc = dtlab("compare", *LLAMA, "--strategies", "single,fsdp@pp2.tp2", "--nproc-per-node",
+                     "8", "--verify", "--tolerance", str(TOL), "--out", str(out), *LLAMA_SETTINGS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "verify passed: 3 steps vs single" in proc.stdout
+    s = summary(out / run_label("fsdp@pp2.tp2"))
+    assert (s["layout"], s["strategy_options"]["mesh"]) == ("fsdp@pp2.tp2", {"pp": 2, "dp": 2, "tp": 2})
+    interleaved = session_dir / "three-d-llama-interleaved"
+    s = train(interleaved, *LLAMA_SETTINGS, "strategy.name=single", "parallel.pp=2",
+              "parallel.tp=2", "strategy.pp.schedule=interleaved_1f1b", nproc=4,
+              config=str(CONFIGS / "hf_llama.yaml"))
+    assert s["pipeline"]["stages"] == 4
+    assert max_rel_dev(step_losses(interleaved), step_losses(out / "single")) < TOL

@@ -105,6 +105,9 @@ class GPT(nn.Module):
     def blocks(self) -> list[nn.Module]:
         return list(self.h.values())
 
+    def block_names(self) -> list[str]:
+        return list(self.h.keys())
+
     def part(self, blocks: list[str], first: bool, last: bool) -> GPT:
         """A GPT made of this one's modules (the same parameters, the same names): the named
         blocks, plus the embeddings if `first` and the final norm and head if `last`. A pipeline

@@ -80,6 +80,58 @@ class HFCausalLM(nn.Module):
     def config(self) -> Any:
         return self.lm.config
 
+    def block_names(self) -> list[str]:
+        """The decoder layers' indices, as pipeline stages split them (part)."""
+        return [str(i) for i in range(len(self.lm.model.layers))]
+
+    def part(self, blocks: list[str], first: bool, last: bool) -> HFStage:
+        """A pipeline stage of a Llama-family model: the named decoder layers, with the token
+        embedding if `first`, the final norm and head if `last`, under the whole model's names
+        (`lm.model.layers.3...`), sharing this model's modules."""
+        return HFStage(self, blocks, first, last)
+
+
+class HFStage(HFCausalLM):
+    """Token ids (first stage) or hidden states in; hidden states or logits (last) out. Each
+    stage numbers the positions itself and computes the rotary table for its layers, as the
+    whole model does once: the same numbers, no tensors but the hidden states cross stages."""
+
+    def __init__(self, whole: HFCausalLM, blocks: list[str], first: bool, last: bool) -> None:
+        nn.Module.__init__(self)
+        src = whole.lm
+        self.lm = nn.Module()
+        self.lm.config = src.config
+        self.lm.model = nn.Module()
+        inner = self.lm.model
+        inner.embed_tokens = src.model.embed_tokens if first else None
+        held = src.model.layers  # the whole model's list, or an earlier part's by name
+        inner.layers = nn.ModuleDict({b: held[b] if isinstance(held, nn.ModuleDict)
+                                      else held[int(b)] for b in blocks})
+        inner.rotary_emb = src.model.rotary_emb
+        inner.norm = src.model.norm if last else None
+        self.lm.lm_head = src.lm_head if last else None
+        # under sequence parallelism a stage holds 1/shards of the sequence between layers
+        self.sequence_shards = getattr(whole, "sequence_shards", 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = self.lm.model
+        h = inner.embed_tokens(x) if inner.embed_tokens is not None else x
+        seq = x.shape[1] if inner.embed_tokens is not None else h.shape[1] * self.sequence_shards
+        positions = torch.arange(seq, device=h.device).unsqueeze(0)
+        rotary = inner.rotary_emb(h, positions)
+        for layer in inner.layers.values():
+            out = layer(h, position_embeddings=rotary, position_ids=positions)
+            h = out[0] if isinstance(out, tuple) else out
+        if inner.norm is None:
+            return h
+        return self.lm.lm_head(inner.norm(h))
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self.lm.model.layers.values())
+
+    def block_names(self) -> list[str]:
+        return list(self.lm.model.layers.keys())
+
 
 def build(m: Any) -> HFCausalLM:
     """The model of an HFConfig: its weights from `path`, or initialised from the current seed;

@@ -66,10 +66,21 @@ SCHEDULES: dict[str, Any] = {
 }
 
 
-def split_blocks(n_layer: int, n_stages: int) -> list[list[str]]:
+def split_blocks(names: list[str], n_stages: int) -> list[list[str]]:
     """Contiguous block names per stage, sizes differing by at most one."""
-    return [[str(b) for b in range(s * n_layer // n_stages, (s + 1) * n_layer // n_stages)]
-            for s in range(n_stages)]
+    n = len(names)
+    return [names[s * n // n_stages:(s + 1) * n // n_stages] for s in range(n_stages)]
+
+
+def dims(cfg: Any) -> tuple[int, int, int]:
+    """(sequence, hidden size, vocabulary) of the model a pipeline passes between stages."""
+    m = cfg.model
+    if m.name == "hf":
+        from dtlab.config.transformers_config import hf_config
+
+        config = hf_config(m)
+        return m.block_size, config.hidden_size, config.vocab_size
+    return m.block_size, m.n_embd, m.vocab_size
 
 
 class PP(Strategy):
@@ -93,7 +104,7 @@ class PP(Strategy):
         self.wrapper_casts = self.dp_size > 1 and o.dp == "fsdp"
 
         model = self.prepare(model)
-        self.blocks = split_blocks(len(model.h), self.n_stages)
+        self.blocks = split_blocks(model.block_names(), self.n_stages)
         last = self.n_stages - 1
         mine = [b for s in self.stage_ids for b in self.blocks[s]]
         # This rank's model: its blocks (+ embeddings / head), the rest of the GPT is dropped.
@@ -126,17 +137,17 @@ class PP(Strategy):
         its shape-inference pass (a real forward and backward that DDP cannot tell from a step).
         Token ids (b, T) into stage 0; hidden states (b, T, C) between stages; logits (b, T, V)
         out of the last."""
-        m = self.cfg.model
+        seq, width, vocab = dims(self.cfg)
         b = self.cfg.train.global_batch_size // (
             self.dp_size * self.cfg.train.grad_accum_steps * self.microbatches)
         # requires_grad: the stage then sends (receives) the gradient of this tensor backward.
-        hidden = torch.empty(b, m.block_size // self.tp, m.n_embd, dtype=self.hidden_dtype,
+        hidden = torch.empty(b, seq // self.tp, width, dtype=self.hidden_dtype,
                              device="meta", requires_grad=True)  # a sequence shard per tp rank
         logits_dtype = DTYPES[self.precision]
         return {
-            "input_args": torch.empty(b, m.block_size, dtype=torch.long, device="meta")
+            "input_args": torch.empty(b, seq, dtype=torch.long, device="meta")
             if stage == 0 else hidden,
-            "output_args": torch.empty(b, m.block_size, m.vocab_size // self.tp, dtype=logits_dtype,
+            "output_args": torch.empty(b, seq, vocab // self.tp, dtype=logits_dtype,
                                        device="meta") if stage == self.n_stages - 1 else hidden,
         }
 
@@ -163,7 +174,7 @@ class PP(Strategy):
         for p in self.parts:
             p.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
-        width = self.cfg.model.n_embd
+        width = dims(self.cfg)[1]
         for x, y, mask in loader:
             h = x
             for s, part in zip(self.stage_ids, self.parts, strict=True):

@@ -33,9 +33,16 @@ def mesh(device_type: str, world_size: int, pp: int, tp: int) -> DeviceMesh:
 
 
 def _held(model: nn.Module, pattern: str) -> bool:
-    """Whether the plan entry `pattern` names modules this rank's part of the GPT holds."""
-    first = pattern.split(".")[0]
-    return getattr(model, first, None) is not None and (first != "h" or len(model.h) > 0)
+    """Whether the plan entry `pattern` names modules this rank's part of the model holds (a
+    stage holds some blocks, and the embedding or the head or neither)."""
+    node: object = model
+    for name in pattern.split("."):
+        if name == "*":
+            return len(node) > 0  # type: ignore[arg-type]
+        node = getattr(node, name, None)
+        if node is None:
+            return False
+    return True
 
 
 def parallelize(model: nn.Module, held: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
@@ -47,12 +54,13 @@ def parallelize(model: nn.Module, held: nn.Module, tp_mesh: DeviceMesh) -> nn.Mo
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     plan = plan_for(model)
     styles = {k: v for k, v in plan.styles.items() if _held(held, k)}
-    if "lm_head" in styles:
-        styles["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
-                                            use_local_output=True)
+    for head in [k for k in styles if k.split(".")[-1] == "lm_head"]:
+        styles[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                       use_local_output=True)
+    held.sequence_shards = tp_mesh.size()  # a stage's hidden states: 1/tp of the sequence
     parallelize_module(held, tp_mesh, styles)
     for table in plan.tables:
-        if _held(held, table.split(".")[0]):
+        if _held(held, table.rpartition(".")[0]):
             held.get_parameter(table).register_post_accumulate_grad_hook(_shard_grad_like_param)
     return held
 

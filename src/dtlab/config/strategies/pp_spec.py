@@ -61,8 +61,9 @@ def stage_ranks(cfg: Config, world_size: int) -> list[int]:
 
 def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
     p, m, d = cfg.strategy.pp, cfg.model, degree(cfg, world_size)
-    check_mesh(cfg, world_size, d * p.tp, KEY if p.tp == 1 else f"{KEY} x strategy.pp.tp")
-    if p.tp > 1:
+    check_mesh(cfg, world_size, d * p.tp, KEY if p.tp == 1 else f"{KEY} x strategy.pp.tp",
+               models=("gpt", "hf"))
+    if p.tp > 1 or m.name == "hf":  # hf: a Llama-family model with an untied head, as tp's
         check_sizes(cfg, p.tp, TP_KEY)
     if p.dp == "none" and d * p.tp != world_size:
         dims = f"pp{d}" + (f".tp{p.tp}" if p.tp > 1 else "")
@@ -98,10 +99,11 @@ def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
         raise ConfigError(
             f"strategy.pp.schedule=dualpipev needs strategy.pp.microbatches={p.microbatches} >= "
             f"its {2 * d} stages; fix: strategy.pp.microbatches={2 * d}")
-    if stages > m.n_layer:
+    layers, key = (m.n_layer, "model.n_layer") if m.name == "gpt" else (_hf_layers(m), "model.hf.config.num_hidden_layers")
+    if stages > layers:
         raise ConfigError(
             f"{d} ranks x strategy.pp.stages_per_rank={p.stages_each()} = {stages} pipeline "
-            f"stages, more than model.n_layer={m.n_layer} blocks; fix: fewer stages or more layers"
+            f"stages, more than {key}={layers} blocks; fix: fewer stages or more layers"
         )
     if p.schedule == "1f1b" and p.microbatches < d:
         raise ConfigError(
@@ -122,6 +124,12 @@ def check(cfg: Config, world_size: int, local_world_size: int | None) -> None:
             f"(data-parallel size x train.grad_accum_steps)) does not split into "
             f"strategy.pp.microbatches={p.microbatches}; fix: make it a multiple of {p.microbatches}"
         )
+
+
+def _hf_layers(m: Any) -> int:
+    from dtlab.config.transformers_config import hf_config
+
+    return int(getattr(hf_config(m), "num_hidden_layers", 0) or 0)
 
 
 def label(options: dict[str, Any]) -> str:
