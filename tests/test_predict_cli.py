@@ -281,3 +281,24 @@ def test_advise_searches_layouts_and_traces_the_fastest_that_fit() -> None:
     assert [r["step_s"] for r in ranked] == sorted(r["step_s"] for r in ranked)
     traced = [r for r in out["searched"] if r["predicted_step_s"]]
     assert len(traced) == 2 and out["why"].startswith(ranked[0]["strategy"])
+
+
+def test_tokens_gives_the_days_gpu_hours_and_cost_to_train() -> None:
+    """--tokens N: N / the row's tokens per second, in days, x the GPUs in GPU-hours, x the
+    price of one; the wrong inputs are one line each."""
+    proc = dtlab("predict", "--config", "configs/fsdp_gpt.yaml", "--world-size", "16",
+                 "--cluster", "h100_sxm_8x", "--strategies", "fsdp", "--tokens", "2.5B",
+                 "--gpu-hour-cost", "2", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(proc.stdout)["rows"]
+    seconds = 2.5e9 / row["tokens_per_s"]
+    assert row["to_train"] == pytest.approx({
+        "tokens": 2.5e9, "days": seconds / 86400, "gpu_hours": seconds / 3600 * 16,
+        "cost": seconds / 3600 * 16 * 2, "gpu_hour_cost": 2.0}, rel=1e-12)
+    for args, said in [
+            (["--tokens", "1X"], "--tokens '1X' is not a number of tokens; fix: e.g. --tokens 15T"),
+            (["--gpu-hour-cost", "2"], "--gpu-hour-cost prices the GPU-hours to train --tokens N"),
+            (["--config", "configs/quick.yaml", "--tokens", "1T"],
+             "--tokens: ddp's model does not train on tokens")]:
+        proc = dtlab("predict", "--world-size", "2", "--cluster", "h100_sxm_8x", *args)
+        assert proc.returncode == 2 and proc.stderr.startswith(f"dtlab: error: {said}"), proc.stderr

@@ -54,6 +54,11 @@ def add_predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate", action="store_true", help="run each strategy here on 1, 2 and 4 "
                    "local ranks (or --world-size N) and print the predicted step time beside "
                    "the measured one")
+    p.add_argument("--tokens", metavar="N", help="also the days and GPU-hours to train N tokens "
+                   "at each row's predicted speed, e.g. 15T, 300B, 1e12")
+    p.add_argument("--gpu-hour-cost", type=number(0, "--gpu-hour-cost 2.5", inclusive=False),
+                   metavar="PRICE", help="with --tokens: the price of one GPU-hour, for the "
+                   "cost to train (in the same currency)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
 
@@ -71,6 +76,16 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.jobs and args.jobs > 1 and (args.measure or args.validate):
         raise DtlabError(f"--jobs {args.jobs}: a measured trace is timed, alone on the machine; "
                          "fix: drop --jobs")
+    if args.gpu_hour_cost and not args.tokens:
+        raise DtlabError("--gpu-hour-cost prices the GPU-hours to train --tokens N; fix: add "
+                         "--tokens, e.g. --tokens 1T")
+    if args.tokens and args.validate:
+        raise DtlabError("--validate compares predicted with measured steps here; --tokens does "
+                         "not apply; fix: drop --tokens")
+    if args.tokens:
+        from dtlab.predict.to_train import token_count
+
+        token_count(args.tokens)
     if args.profile and args.measure:
         raise DtlabError("--profile and --measure both give the compute; fix: give one")
     if args.step_time and not args.profile:
@@ -145,7 +160,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
     rows = predict_all(req, [t.strip() for t in args.strategies.split(",")],
                        args.save_profile, args.jobs)
     from dtlab.predict.core import fastest
+    from dtlab.predict.to_train import add_to_train, token_count
 
+    if args.tokens:
+        add_to_train(rows, token_count(args.tokens), args.gpu_hour_cost)
     best = fastest(rows)
     if args.json:
         print_result(json.dumps({"world_size": req.world, "ranks_per_node": req.ranks_per_node,
@@ -156,6 +174,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
           + (f", config {args.config}" if args.config else ""))
     print(table(rows))
     print(textwrap.fill(LEGEND, 100))
+    if args.tokens:
+        t = rows[0]["to_train"]
+        print(f"days, GPU-h: to train {t['tokens']:.4g} tokens at that speed on {req.world} GPUs"
+              + (f"; cost: GPU-h x {args.gpu_hour_cost:g}" if args.gpu_hour_cost else ""))
     print(verdict(best, rows))
     print(sources(rows, cluster))
     for r in rows:
@@ -199,6 +221,7 @@ def significant(value: float) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     from dtlab.estimate.cli import table as text_table
     from dtlab.predict.memory import STATE_ONLY
+    from dtlab.predict.to_train import columns as to_train_columns
 
     shown = []
     for r in rows:
@@ -214,7 +237,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             "comm exposed": ms(sum(r["exposed_comm"].values())), "bubble": ms(s.get("bubble")),
             "GB/rank": significant(r["memory"]["device_bytes"] / GB),
             "fits": ("yes" if r["fits"] else "no") + (" (state)" if r["memory"]["source"]
-                                                      == STATE_ONLY else "")})
+                                                      == STATE_ONLY else ""),
+            **to_train_columns(r)})
     return text_table(shown, list(shown[0]))
 
 
