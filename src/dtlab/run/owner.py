@@ -28,12 +28,10 @@ from dtlab import files, owned
 from dtlab.config import Config
 from dtlab.config.load import flatten
 from dtlab.errors import ConfigError, DtlabError
-from dtlab.run import dir_lock
 from dtlab.run.data_identity import data_changes, data_identity
 from dtlab.run.dir_watch import DirectoryWatch
-from dtlab.run.sweep_record import is_record
+from dtlab.run.neighbours import OUTPUT_NAMES, OUTPUTS, check_owned, run_id_of
 from dtlab.rundir.checkpoints import (
-    MANIFEST,
     CheckpointError,
     checkpoint_root,
     complete_checkpoints,
@@ -52,15 +50,6 @@ RESUMABLE = ("resume", "run", "strategy", "parallel", "train.max_steps", "train.
              "train.optimizer_impl", "train.nan_policy", "data.dir", "data.download",
              "data.val_limit", "data.val_batch_size", "model.channels_last",
              "lab.no_destroy_process_group")
-
-# What `dtlab train` writes into a run directory; removed when a run starts over there. (Other
-# files are left alone: a sweep's config.yaml, run.json and train.log are the sweep's.)
-OUTPUTS = ("checkpoints", "metrics.jsonl", "metrics.jsonl.tmp", "progress", "summary.json",
-           "summary.json.tmp", "model.safetensors", "tb", "trace_rank*.json", "profile", "memory",
-           "flight_recorder/*")
-# The same, as names directly under run.dir: a user's file there under one of them is refused.
-OUTPUT_NAMES = tuple(p.split("/")[0] for p in OUTPUTS)
-
 
 # ------------------------------------------------------------------------------ the run's record
 def new_run_id() -> str:
@@ -84,12 +73,6 @@ def fingerprint(config: dict[str, Any]) -> str:
 def record(run_id: str, config: dict[str, Any]) -> dict[str, Any]:
     """The manifest's `run` entry."""
     return {"id": run_id, "fingerprint": fingerprint(config), "data": data_identity(config)}
-
-
-def run_id_of(manifest: dict[str, Any]) -> str | None:
-    """The id of the run that wrote a checkpoint; None for one written before ids were recorded."""
-    run = manifest.get("run")
-    return run.get("id") if isinstance(run, dict) and isinstance(run.get("id"), str) else None
 
 
 def as_read_now(saved: dict[str, Any]) -> dict[str, Any]:
@@ -192,81 +175,6 @@ def check_start(cfg: Any, config: str | None = None) -> None:
     manifest = manifest_json(target) if target is not None else None
     if manifest is not None and isinstance(manifest.get("config"), dict):
         check_config(manifest, cfg.model_dump(mode="json"), target, run_dir)
-
-
-def check_owned(cfg: Any, config: str | None = None) -> None:
-    """run.dir holds nothing a run would replace that no dtlab run wrote: another command's
-    output, or the user's own files under the names of a run's outputs. The run writes its
-    resolved config to config.yaml: one there is refused too, unless it is the file the run is
-    configured from (a sweep's run, or a run started again from its own config.yaml)."""
-    run_dir = cfg.run.run_dir
-    owned.check_own_directory(Path(run_dir), "run.dir")
-    check_not_inside(Path(run_dir))
-    below = owned.output_below(Path(run_dir))
-    if below is not None:
-        what = "a run" if below[1]["kind"] == "run" else f"the output of dtlab {below[1]['kind']}"
-        raise ConfigError(f"run.dir '{run_dir}' holds {what} in '{below[0]}', which this run's "
-                          "files would sit among and be collected and reported with; fix: a "
-                          "run.dir of its own beside it")
-    link = Path(run_dir) / "config.yaml"
-    if link.is_symlink():
-        raise ConfigError(f"run.dir '{run_dir}' holds config.yaml as a link to "
-                          f"'{os.readlink(link)}', which the run would replace with a file of its "
-                          "resolved config; fix: remove the link (--config can name the file "
-                          "itself), or choose another run.dir")
-    record = owned.read(run_dir)
-    if record is not None and record["kind"] != "run":
-        raise ConfigError(f"run.dir '{run_dir}' holds the output of dtlab {record['kind']}, not a "
-                          "run; fix: choose another run.dir (a new folder inside it will do)")
-    if record is not None or _earlier_dtlab_run(run_dir) or cfg.run.overwrite:
-        return
-    own_config = config is not None and \
-        Path(config).resolve() == (Path(run_dir) / "config.yaml").resolve()
-    foreign = owned.unrecorded(run_dir, OUTPUT_NAMES + (() if own_config else ("config.yaml",)),
-                               None) + ([] if is_record(Path(run_dir)) else ["run.json"])
-    if foreign:
-        them = "it" if len(foreign) == 1 else "them"
-        raise ConfigError(f"run.dir '{run_dir}' holds {owned.shown(foreign)}, which no dtlab run "
-                          f"recorded writing there and a run would replace; fix: move {them} away, "
-                          f"run.overwrite=true to delete {them}, or choose another run.dir")
-
-
-def check_not_inside(run_dir: Path) -> None:
-    """run.dir is not inside another dtlab output, which its owner may replace or prune (a run's
-    checkpoints, a compare's or sweep's folders), except where that owner put this run: a
-    compare's strategy directory it recorded, a sweep's run directory it planned (run.json)."""
-    for path in {Path(os.path.abspath(run_dir)), Path(os.path.realpath(run_dir))}:  # links too
-        _check_not_inside(run_dir, path)
-
-
-def _check_not_inside(run_dir: Path, path: Path) -> None:
-    found = owned.enclosing(path)
-    for above in path.parents:  # a checkpoint lies inside its run: said first, as the nearer
-        if (above / MANIFEST).is_file():
-            raise ConfigError(f"run.dir '{run_dir}' is inside the checkpoint '{above}', which its "
-                              "run prunes and replaces; fix: a run.dir outside it")
-        if found is not None and above == found[0]:
-            break
-    if found is None:
-        return
-    above, record = found
-    kind = record["kind"]
-    if kind == "compare" and path.parent == above and path.name in record["entries"] and \
-            not dir_lock.in_use(above):  # while no compare runs there: its table describes it
-        raise ConfigError(f"run.dir '{run_dir}' is a run of dtlab compare '{above}', whose table "
-                          "describes it; fix: run that compare again to retrain it, or a run.dir "
-                          "outside it")
-    planned = (kind == "compare" and path.parent == above and path.name in record["entries"]) \
-        or (kind == "sweep" and path.parent == above / "runs" and (path / "run.json").is_file())
-    if not planned:
-        what = "the run directory" if kind == "run" else f"the output of dtlab {kind}"
-        raise ConfigError(f"run.dir '{run_dir}' is inside {what} '{above}', whose files that "
-                          f"{kind} may replace or delete; fix: a run.dir outside it")
-
-
-def _earlier_dtlab_run(run_dir: Path) -> bool:
-    """Checkpoints a dtlab run wrote before runs kept a record: their manifests name the run."""
-    return any(run_id_of(manifest_json(p) or {}) for _, p in complete_checkpoints(run_dir, False))
 
 
 def why_no_checkpoint(run_dir: Path) -> str:

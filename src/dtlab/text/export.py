@@ -22,7 +22,7 @@ from dtlab.errors import DtlabError
 from dtlab.levers import lora
 from dtlab.models import gpt_hf, hf
 from dtlab.run.checkpoint import _safe_reader, dcp_load, verify
-from dtlab.run.owner import OUTPUT_NAMES
+from dtlab.run.neighbours import OUTPUT_NAMES
 
 # (model config, tensors under dtlab's names) -> (config.json, (HF name, tensor) in model order)
 Layout = Callable[[Any, Mapping[str, torch.Tensor]],
