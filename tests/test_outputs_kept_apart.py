@@ -207,3 +207,39 @@ def test_lines_that_name_the_right_fix(work: Path) -> None:
     assert refused(["export", str(ckpt), "-o", "m.safetensors"], work).endswith(
         "it is truncated or was modified; fix: export another checkpoint of the run (its "
         "checkpoints/step_NNNNNN), or restore a good copy of this one")
+
+
+def test_a_compare_clears_every_earlier_run_before_its_first(tmp_path: Path) -> None:
+    """A compare cut short (here its ddp run killed) leaves none of the earlier compare's runs
+    beside its own: collect and report would read them as one comparison."""
+    compare = ["compare", "--strategies", "single,ddp", "--nproc-per-node", "2",
+               "train.max_steps=2", "run.progress=false", "--out", "c"]
+    ok(dtlab(*compare, cwd=tmp_path))
+    failed = dtlab(*compare, "train.lr=0.3", "run.fault.kind=kill", "run.fault.step=1",
+                   "run.fault.rank=1", cwd=tmp_path)
+    assert failed.returncode != 0
+    assert not list((tmp_path / "c").rglob("summary.json"))  # the earlier runs' are gone
+    assert not (tmp_path / "c/compare.csv").exists()
+
+
+def test_an_export_into_a_hugging_face_export_is_refused(work: Path) -> None:
+    ckpt = "runs/a/checkpoints/step_000002"
+    gpt = ["model.name=gpt", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
+           "model.block_size=16", "model.vocab_size=64"]
+    ok(dtlab("train", *QUICK, *gpt, "run.dir=g", cwd=work))
+    ok(dtlab("export", "g/checkpoints/step_000002", "--format", "hf", "-o", "hf", cwd=work))
+    line = refused(["export", ckpt, "-o", "hf/model.safetensors", "--overwrite"], work)
+    assert line == ("dtlab: error: -o/--output 'hf/model.safetensors' is inside the Hugging Face "
+                    "export 'hf', whose config and weights would no longer match; fix: export "
+                    "--format hf -o hf to replace that export, or another -o"), line
+
+
+def test_a_report_of_a_folder_of_several_sweeps_is_refused(tmp_path: Path) -> None:
+    for name in ("s1", "s2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".dtlab-owner.json").write_text(
+            json.dumps({"kind": "sweep", "owner": name, "entries": []}))
+    line = refused(["report", "."], tmp_path)
+    assert line == ("dtlab: error: '.' holds the outputs of 2 commands (sweep 's1', sweep 's2'), "
+                    "whose runs one report would draw as one series; fix: report each of them, or "
+                    "collect them with their source column (dtlab collect . -o all.csv)"), line

@@ -214,3 +214,19 @@ def output_below(directory: Path, depth: int = 3, most: int = 2000,
             subdirs.clear()
         subdirs.sort()
     return None
+
+
+def commands_below(directory: Path, depth: int = 3) -> list[tuple[Path, dict]]:
+    """The compare and sweep outputs inside `directory` (not inside one another), `depth`
+    levels down at most."""
+    top, found = Path(directory), []
+    for folder, subdirs, names in os.walk(top):
+        level = len(Path(folder).relative_to(top).parts)
+        record = read(Path(folder)) if level and RECORD in names else None
+        if record is not None and record["kind"] in ("compare", "sweep"):
+            found.append((Path(folder), record))
+            subdirs.clear()
+        elif level >= depth:
+            subdirs.clear()
+        subdirs.sort()
+    return found

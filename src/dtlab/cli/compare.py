@@ -262,6 +262,9 @@ def _compare_in(args: argparse.Namespace, plans: dict[str, list[str]], out: Path
         if name in mine.entries:
             (out / name).unlink(missing_ok=True)
     remove_report(out)  # `dtlab report`'s of the earlier runs: it would describe runs now gone
+    for spec in plans:  # every earlier run goes before the first: one cut short leaves no mix
+        if run_label(spec) in mine.entries and (out / run_label(spec)).is_dir():
+            clear_run(out / run_label(spec))
     extra = ["run.progress=false"] + (["run.log_every=1", "run.save_model=true"] if args.verify else [])
     numerics = verify_numerics(args)  # before the overrides: an explicit setting wins
     rows, failed, results = [], [], {}

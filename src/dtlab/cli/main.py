@@ -136,6 +136,13 @@ def cmd_report(args: argparse.Namespace) -> int:
         return 0
     for path in args.comm:
         input_file("--comm", path, "write it with `dtlab comm --csv comm.csv`")
+    several = owned.commands_below(root) if owned.read(root) is None else []
+    if len(several) > 1:
+        names = ", ".join(f"{r['kind']} '{p}'" for p, r in several[:3])
+        raise DtlabError(f"'{root}' holds the outputs of {len(several)} commands ({names}"
+                         f"{', ...' if len(several) > 3 else ''}), whose runs one report would draw "
+                         f"as one series; fix: report each of them, or collect them with their "
+                         f"source column (dtlab collect {root} -o all.csv)")
     output = output_file("-o/--output", args.output, "report.html") if args.output else None
     if output:
         owned.check_made_from(output, "-o/--output", [root])

@@ -140,6 +140,12 @@ def check_replace(out: Path, kind: str, checkpoint: Path, overwrite: bool) -> No
         raise DtlabError(f"-o/--output '{out}' holds the current or the home directory, which an "
                          f"export replaces; fix: name a new {KINDS[kind]}, e.g. -o "
                          f"{out / DEFAULTS[kind]}")
+    folder = out.parent
+    if kind == "safetensors" and folder.is_dir() and \
+            any(export_mark(f) == "hf" for f in folder.glob("*.safetensors")):
+        raise DtlabError(f"-o/--output '{out}' is inside the Hugging Face export '{folder}', "
+                         "whose config and weights would no longer match; fix: export --format "
+                         f"hf -o {folder} to replace that export, or another -o")
     why = _not_an_export(out, kind)
     if why and why.startswith("is a directory holding"):  # the user's own files: --overwrite too
         raise DtlabError(f"-o/--output '{out}' {why}, which exporting there would delete; fix: "
