@@ -328,7 +328,7 @@ GROUPS = {"test_report_browser": "sweep", "test_sweep": "sweep", "test_slurm": "
 # workers up to the end (xdist's default order, by test count, would start the one-test chapters
 # last). A cost far below the truth starts a long group late: it then ends the suite alone.
 COST = {"slurm": 200, "guide-11-predict.md": 60, "test_signals": 105, "guide-05-model-parallel.md": 97,
-        "test_train_features": 90, "test_three_d": 80, "guide-08-failure-modes.md": 88, "guide-02-ddp.md": 77,
+        "test_train_features": 90, "test_three_d": 110, "test_context_parallel": 30, "test_outputs_kept_apart": 35, "guide-08-failure-modes.md": 88, "guide-02-ddp.md": 77,
         "guide-03-fsdp.md": 74, "test_zero": 74, "test_orphans": 69, "test_predict_trace": 61,
         "test_reliability": 61, "test_hf": 55, "sweep": 47, "test_estimate": 46, "test_launch": 8,
         "guide-09-levers.md": 34, "test_model_parallel": 29, "test_trackers": 28,

@@ -79,12 +79,18 @@ REFUSED = [
      "the layout zero1@pp2.tp2 (strategy.name=zero1 with parallel.pp=2 parallel.tp=2) puts zero1 "
      "over pipeline x tensor-parallel groups, which dtlab runs with ddp, fsdp or single only; "
      "fix: fsdp@pp2.tp2"),
-    (["strategy.name=fsdp", "parallel.tp=2", "parallel.cp=2"],
-     "the layout fsdp@tp2.cp2 (strategy.name=fsdp with parallel.tp=2 parallel.cp=2) uses context "
-     "parallelism, which dtlab does not run yet; fix: fsdp@tp2"),
-    (["strategy.name=fsdp", "parallel.cp=2"],
-     "the layout fsdp@cp2 (strategy.name=fsdp with parallel.cp=2) uses context parallelism, "
-     "which dtlab does not run yet; fix: fsdp"),
+    (["strategy.name=ddp", "parallel.cp=2"],
+     "the layout ddp@cp2 (strategy.name=ddp with parallel.cp=2) puts ddp over context-parallel "
+     "groups, which dtlab runs with fsdp or single only; fix: fsdp@cp2"),
+    (["strategy.name=fsdp", "parallel.pp=2", "parallel.cp=2"],
+     "the layout fsdp@pp2.cp2 (strategy.name=fsdp with parallel.pp=2 parallel.cp=2) composes "
+     "pipeline x context parallelism, which dtlab does not run; fix: fsdp@pp2"),
+    (["strategy.name=fsdp", "parallel.cp=2", "model.dropout=0.1"],
+     "model.dropout=0.1 with context parallelism is not supported (the ring runs the attention "
+     "kernel without dropout); fix: model.dropout=0"),
+    (["strategy.name=single", "parallel.cp=3"],
+     "strategy.cp.degree=3 does not divide world_size=4 into a mesh; fix: set strategy.cp.degree "
+     "to a divisor of 4 (0 = every rank)"),
     (["strategy.name=ddp", "parallel.tp=2"],
      "the layout ddp@tp2 (strategy.name=ddp with parallel.tp=2) puts ddp over tensor-parallel "
      "groups, which dtlab runs with fsdp or single only; fix: fsdp@tp2"),

@@ -43,11 +43,8 @@ class ParallelConfig(Section):
 
 
 def _nearest(flavour: str, degrees: dict[str, int]) -> str:
-    """The nearest layout that runs: without context parallelism, with the flavour that runs
-    there (fsdp), or with the largest degree alone."""
-    if "cp" in degrees:
-        rest = {d: n for d, n in degrees.items() if d != "cp"}
-        return _nearest(flavour, rest) if rest else flavour
+    """The nearest layout that runs: with the flavour that runs there (fsdp), or with the
+    largest degree alone."""
     if _runner(degrees, flavour):
         return Layout(flavour, **degrees).text()
     if _runner(degrees, "fsdp"):
@@ -97,8 +94,6 @@ def resolve(tree: dict[str, Any]) -> dict[str, Any]:
                           "the data-parallel flavour with parallel.* degrees (strategy.name=fsdp "
                           "parallel.tp=2), or the shorthand alone (strategy.tp.degree, "
                           "strategy.pp.degree)")
-    if "cp" in degrees:
-        raise _refuse(flavour, degrees, "uses context parallelism, which dtlab does not run yet")
     runner = _runner(degrees, flavour)
     if runner is None:
         dims = " x ".join(WHAT[d] for d in degrees)

@@ -210,9 +210,9 @@ def estimate(setup: Setup, token: str) -> dict[str, Any]:
         "host": state.offloaded - held.get("swapped_bytes", 0) + held.get("host_buffer_bytes", 0),
         **({"disk": held["disk_bytes"]} if "disk_bytes" in held else {}),  # NVMe offload's files
         **({"per_rank": per_rank} if per_rank else {}), "temporaries": {}, "comm": None}
-    if plan is None:  # tp, fsdp_tp, pp: the state is measured, the rest not modelled
-        notes.append(f"{token}: temporaries, activations and communication of tensor and "
-                     "pipeline parallelism are not modelled (shown as 0 and -)")
+    if plan is None:  # tp, fsdp_tp, pp, cp: the state is measured, the rest not modelled
+        notes.append(f"{token}: temporaries, activations and communication of tensor, "
+                     "pipeline and context parallelism are not modelled (shown as 0 and -)")
         return {**row, "device_total": state.device, "notes": notes}
     temps = row["temporaries"] = memory.temporaries(
         m.n_params, max(m.units, default=0.0), m.root, plan, precision, world,

@@ -130,7 +130,9 @@ class GPT(nn.Module):
                     f"GPT expects a (batch, seq<={self.block_size}) tensor of token ids (int64), "
                     f"got {tuple(idx.shape)} {idx.dtype}"
                 )
-            pos = torch.arange(idx.shape[1], device=idx.device)
+            # a context-parallel rank holds the tokens from position_offset on (strategies/cp.py)
+            start = getattr(self, "position_offset", 0)
+            pos = torch.arange(start, start + idx.shape[1], device=idx.device)
             x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.h.values():
             x = block(x)

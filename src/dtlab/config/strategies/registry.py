@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dtlab.config.strategies import (
+    cp_spec,
     ddp_spec,
     deepspeed_spec,
     fsdp1_spec,
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 # One description module per strategy family, in the order help texts list them.
 MODULES = (single_spec, ddp_spec, fsdp_spec, fsdp1_spec, zero1_spec, deepspeed_spec, tp_spec,
-           pp_spec, hsdp_spec)
+           pp_spec, hsdp_spec, cp_spec)
 SPECS: dict[str, StrategySpec] = {  # every description a module declares, in its order
     spec.name: spec for module in MODULES for spec in vars(module).values()
     if isinstance(spec, StrategySpec)
