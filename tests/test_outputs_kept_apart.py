@@ -243,3 +243,43 @@ def test_a_report_of_a_folder_of_several_sweeps_is_refused(tmp_path: Path) -> No
     assert line == ("dtlab: error: '.' holds the outputs of 2 commands (sweep 's1', sweep 's2'), "
                     "whose runs one report would draw as one series; fix: report each of them, or "
                     "collect them with their source column (dtlab collect . -o all.csv)"), line
+
+
+def test_a_users_files_in_checkpoints_are_refused_before_pruning(work: Path) -> None:
+    """Pruning (keep_checkpoints) and starting over delete whole checkpoint folders."""
+    (work / "runs/a/checkpoints/NOTES.txt").write_text("mine")
+    (work / "runs/a/checkpoints/step_000002/my_eval.json").write_text("{}")
+    for extra in ([], ["run.overwrite=true", "resume=none"]):
+        line = refused(["train", *QUICK, "train.max_steps=4", "run.dir=runs/a", *extra], work)
+        assert line == ("dtlab: error: run.dir 'runs/a' holds checkpoints/NOTES.txt, "
+                        "checkpoints/step_000002/my_eval.json, which dtlab did not write and prunes "
+                        "or replaces with its checkpoints; fix: move them out of checkpoints/"), line
+
+
+def test_a_resume_removes_the_end_of_the_run_it_continues(work: Path) -> None:
+    """The weights and the report of step 2 would stand beside step 4's checkpoints and summary."""
+    ok(dtlab("train", *QUICK[:1], "run.progress=false", "train.checkpoint_every=2",
+             "run.save_model=true", "run.dir=w", cwd=work))
+    ok(dtlab("report", "w", cwd=work))
+    assert (work / "w/model.safetensors").is_file() and (work / "w/report.html").is_file()
+    ok(dtlab("train", "train.max_steps=4", "run.progress=false", "train.checkpoint_every=2",
+             "run.save_model=false", "run.dir=w", cwd=work))
+    assert not (work / "w/model.safetensors").exists() and not (work / "w/report.html").exists()
+
+
+def test_a_compare_refuses_a_config_inside_its_out(tmp_path: Path) -> None:
+    (tmp_path / "c/single").mkdir(parents=True)
+    (tmp_path / "c/single/config.yaml").write_text("train: {max_steps: 2}\n")
+    line = refused(["compare", "--config", "c/single/config.yaml", "--strategies", "single",
+                    "--out", "c"], tmp_path)
+    assert line == ("dtlab: error: --config 'c/single/config.yaml' is inside --out 'c', whose runs "
+                    "this compare replaces before it reads them; fix: copy it out first (e.g. cp "
+                    "c/single/config.yaml base.yaml) and pass that"), line
+
+
+def test_collect_of_several_dirs_names_each_rows_dir(work: Path) -> None:
+    import csv
+
+    ok(dtlab("collect", "runs/a", "runs/b", "-o", "two.csv", cwd=work))
+    rows = list(csv.DictReader((work / "two.csv").read_text().splitlines()))
+    assert sorted(r["source"] for r in rows) == ["runs/a", "runs/b"]

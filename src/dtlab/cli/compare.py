@@ -238,6 +238,10 @@ def _compare(args: argparse.Namespace) -> int:
     plans = check_arguments(args)
     out = Path(args.out)
     results_files = ("compare.csv", "compare.json")  # one owner: any compare's, nothing else
+    if args.config and Path(os.path.abspath(out)) in Path(os.path.abspath(args.config)).parents:
+        raise ConfigError(f"--config '{args.config}' is inside --out '{out}', whose runs this "
+                          "compare replaces before it reads them; fix: copy it out first (e.g. cp "
+                          f"{args.config} base.yaml) and pass that")
     earlier = owned.read(out)
     own = earlier["entries"] if earlier and earlier["kind"] == "compare" else []
     owned.check_not_nested(out, "--out", [*map(run_label, plans), *own])

@@ -187,6 +187,9 @@ def collect(*roots: Path) -> list[dict[str, Any]]:
             raise DtlabError(f"'{root}' holds no dtlab runs (summary.json, run.json) and no logs "
                              "with [METRIC] lines; fix: pass the directory of a sweep, a compare "
                              "or a set of logs")
+        if len(roots) > 1:  # which DIR each row came from: two sweeps' runs share their keys
+            for r in found:
+                r["source"] = str(root / r["source"]) if r["source"] != "." else str(root)
         rows += found
     return sorted(rows, key=lambda r: (str(r.get("series")), r.get("world_size") or 0))
 

@@ -13,7 +13,13 @@ from dtlab import owned
 from dtlab.errors import ConfigError
 from dtlab.run import dir_lock
 from dtlab.run.sweep_record import is_record
-from dtlab.rundir.checkpoints import MANIFEST, complete_checkpoints, manifest_json
+from dtlab.rundir.checkpoints import (
+    MANIFEST,
+    STEP_DIR,
+    checkpoint_root,
+    complete_checkpoints,
+    manifest_json,
+)
 
 # What `dtlab train` writes into a run directory; removed when a run starts over there. (Other
 # files are left alone: a sweep's config.yaml, run.json and train.log are the sweep's.)
@@ -50,6 +56,12 @@ def check_owned(cfg: Any, config: str | None = None) -> None:
                           f"'{os.readlink(link)}', which the run would replace with a file of its "
                           "resolved config; fix: remove the link (--config can name the file "
                           "itself), or choose another run.dir")
+    foreign = foreign_in_checkpoints(Path(run_dir))
+    if foreign:
+        them = "it" if len(foreign) == 1 else "them"
+        raise ConfigError(f"run.dir '{run_dir}' holds {owned.shown(foreign)}, which dtlab did not "
+                          f"write and prunes or replaces with its checkpoints; fix: move {them} "
+                          "out of checkpoints/")
     record = owned.read(run_dir)
     if record is not None and record["kind"] != "run":
         raise ConfigError(f"run.dir '{run_dir}' holds the output of dtlab {record['kind']}, not a "
@@ -103,3 +115,25 @@ def _check_not_inside(run_dir: Path, path: Path) -> None:
 def _earlier_dtlab_run(run_dir: Path) -> bool:
     """Checkpoints a dtlab run wrote before runs kept a record: their manifests name the run."""
     return any(run_id_of(manifest_json(p) or {}) for _, p in complete_checkpoints(run_dir, False))
+
+
+def foreign_in_checkpoints(run_dir: Path) -> list[str]:
+    """Files in run.dir's checkpoints/ that no checkpoint of dtlab's names (a user's notes there,
+    an evaluation beside a checkpoint's shards), as paths from run.dir: pruning and starting over
+    would delete them with the checkpoints."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir() or root.is_symlink():
+        return []
+    found = []
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith(".tmp-"):  # a save in progress, or cut short: dtlab's
+            continue
+        manifest = manifest_json(entry) if STEP_DIR.match(entry.name) and entry.is_dir() else None
+        if manifest is None or not isinstance(manifest.get("files"), dict):
+            if not (STEP_DIR.match(entry.name) and entry.is_dir()):
+                found.append(f"checkpoints/{entry.name}")
+            continue
+        ours = {*manifest["files"], MANIFEST}
+        found += [f"checkpoints/{entry.name}/{p.name}" for p in sorted(entry.iterdir())
+                  if p.name not in ours]
+    return found

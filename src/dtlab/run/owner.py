@@ -115,6 +115,17 @@ def clear_outputs(run_dir: Path) -> None:
                 path.unlink()
 
 
+def clear_end_outputs(run_dir: Path) -> None:
+    """A resumed run's earlier end: its exported weights and `dtlab report`'s page, which would
+    stand beside the resumed run's checkpoints and summary as if they were its own."""
+    for name in ("model.safetensors", "report.html"):
+        path = Path(run_dir) / name
+        if name == "report.html" and not files.is_dtlab_report(path):
+            continue
+        if path.is_file() and not path.is_symlink():
+            path.unlink()
+
+
 def restarted() -> bool:
     """A worker restarted by torch elastic: the run directory holds this launch's first attempt."""
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
@@ -270,6 +281,8 @@ def begin(run: Any, ctx: Any, cfg: Any, resumed_from: Path | None,
         try:
             if resumed_from is None or (cfg.run.overwrite and not inside(resumed_from, run_dir)):
                 clear_outputs(run_dir)
+            else:  # what described the run's end so far: written again at this one's end
+                clear_end_outputs(run_dir)
             # Recorded before the first output is written: whatever this run leaves is its own.
             mine = _record_of(run_dir, run.run_id) or owned.Owned(Path(run_dir), "run", run.run_id)
             mine.add(*OUTPUT_NAMES)
