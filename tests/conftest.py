@@ -201,21 +201,27 @@ def train(run_dir: Path, *overrides: str, nproc: int = 1, config: str | None = N
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def _run_command(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+def _run_command(cmd: list[str], timeout: float,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`python -m dtlab train --nproc-per-node N ARGS`, as compare and sweeps start it, on
-    ranks.start(N, ARGS)."""
+    ranks.start(N, ARGS), with what dtlab sets for its runs in their environment (a sweep: which
+    run directory is its own)."""
+    from dtlab.run.sweep_record import SWEEP_RUN_VAR
+
     assert cmd[1:5] == ["-m", "dtlab", "train", "--nproc-per-node"], cmd
-    return ranks.start(int(cmd[5]), cmd[6:], timeout=timeout)
+    ours = {k: v for k, v in (env or {}).items() if k == SWEEP_RUN_VAR}
+    return ranks.start(int(cmd[5]), cmd[6:], timeout=timeout, env=ours)
 
 
 class _Popen:
     """What the local sweep runner uses of subprocess.Popen: the run happens in wait()."""
 
-    def __init__(self, cmd: list[str], stdout: io.TextIOBase, **_: object) -> None:
-        self.cmd, self.log, self.returncode = cmd, stdout, None
+    def __init__(self, cmd: list[str], stdout: io.TextIOBase, env: dict[str, str] | None = None,
+                 **_: object) -> None:
+        self.cmd, self.log, self.returncode, self.env = cmd, stdout, None, env
 
     def wait(self, timeout: float | None = None) -> int:
-        proc = _run_command(self.cmd, timeout or 3600)
+        proc = _run_command(self.cmd, timeout or 3600, self.env)
         self.log.write(proc.stdout + proc.stderr)
         self.returncode = proc.returncode
         return proc.returncode

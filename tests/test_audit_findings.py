@@ -49,8 +49,12 @@ def test_a_run_inside_a_sweeps_folders_is_refused_its_own_runs_are_not(tmp_path:
         line = refused(["train", *QUICK, f"run.dir={inside}"], tmp_path)
         assert f"is inside the output of dtlab sweep '{tmp_path / 'S'}'" in line or \
             f"is inside the run directory '{run}'" in line, line
-    # the sweep's own run, started again from its config.yaml, is where the sweep put it
-    assert dtlab("train", "--config", f"S/runs/{run.name}/config.yaml", cwd=tmp_path).returncode == 0
+    # the sweep's own run started again by hand from its config.yaml would replace it behind the
+    # sweep's results: only the sweep runs it (it continues it when run again)
+    line = refused(["train", "--config", f"S/runs/{run.name}/config.yaml"], tmp_path)
+    assert line == (f"dtlab: error: run.dir 'S/runs/{run.name}' is a run of dtlab "
+                    f"sweep '{tmp_path / 'S'}', whose results describe it; fix: run that sweep "
+                    "again to continue it, or a run.dir outside it"), line
 
 
 def test_a_users_run_json_in_a_run_directory_is_refused(tmp_path: Path) -> None:

@@ -283,3 +283,12 @@ def test_collect_of_several_dirs_names_each_rows_dir(work: Path) -> None:
     ok(dtlab("collect", "runs/a", "runs/b", "-o", "two.csv", cwd=work))
     rows = list(csv.DictReader((work / "two.csv").read_text().splitlines()))
     assert sorted(r["source"] for r in rows) == ["runs/a", "runs/b"]
+
+
+def test_a_runs_config_yaml_does_not_carry_overwrite(work: Path) -> None:
+    """run.overwrite=true deletes what is there once; a later `--config RUN/config.yaml` must
+    ask again."""
+    ok(dtlab("train", *QUICK, "run.dir=runs/a", "run.overwrite=true", "resume=none", cwd=work))
+    assert "overwrite: false" in (work / "runs/a/config.yaml").read_text()
+    line = refused(["train", "--config", "runs/a/config.yaml", "train.lr=0.1", "resume=none"], work)
+    assert line.startswith("dtlab: error: run.dir 'runs/a' holds an earlier run"), line

@@ -203,7 +203,10 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
               f"checkpoint: {log.lost_steps}", file=sys.stderr, flush=True)
     if ctx.is_main:
         try:
-            files.write_text(run_dir / "config.yaml", to_yaml(cfg), "run.dir")
+            # run.overwrite is an action of this start, not the run's: `--config RUN/config.yaml`
+            # later must not delete the run without being asked again
+            kept = cfg.model_copy(update={"run": cfg.run.model_copy(update={"overwrite": False})})
+            files.write_text(run_dir / "config.yaml", to_yaml(kept), "run.dir")
         except DtlabError:
             log.close()  # the trackers' runs end (failed) with the run
             raise

@@ -12,7 +12,7 @@ from typing import Any
 from dtlab import owned
 from dtlab.errors import ConfigError
 from dtlab.run import dir_lock
-from dtlab.run.sweep_record import is_record
+from dtlab.run.sweep_record import is_record, launched_by_sweep
 from dtlab.rundir.checkpoints import (
     MANIFEST,
     STEP_DIR,
@@ -104,8 +104,13 @@ def _check_not_inside(run_dir: Path, path: Path) -> None:
         raise ConfigError(f"run.dir '{run_dir}' is a run of dtlab compare '{above}', whose table "
                           "describes it; fix: run that compare again to retrain it, or a run.dir "
                           "outside it")
+    sweeps = kind == "sweep" and path.parent == above / "runs" and (path / "run.json").is_file()
+    if sweeps and not launched_by_sweep(path):  # by hand, from its config.yaml for instance
+        raise ConfigError(f"run.dir '{run_dir}' is a run of dtlab sweep '{above}', whose results "
+                          "describe it; fix: run that sweep again to continue it, or a run.dir "
+                          "outside it")
     planned = (kind == "compare" and path.parent == above and path.name in record["entries"]) \
-        or (kind == "sweep" and path.parent == above / "runs" and (path / "run.json").is_file())
+        or sweeps
     if not planned:
         what = "the run directory" if kind == "run" else f"the output of dtlab {kind}"
         raise ConfigError(f"run.dir '{run_dir}' is inside {what} '{above}', whose files that "

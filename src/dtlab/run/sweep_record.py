@@ -10,6 +10,15 @@ from typing import Any
 
 from dtlab import files
 
+# Set by a sweep for the runs it launches (locally, and in its SLURM job scripts): the run
+# directory it planned. A run in a sweep's folders without it is someone else's, replacing the
+# sweep's run behind its results (run/neighbours.py).
+SWEEP_RUN_VAR = "DTLAB_SWEEP_RUN"
+
+
+def launched_by_sweep(run_dir: Path) -> bool:
+    return os.environ.get(SWEEP_RUN_VAR) == os.path.realpath(run_dir)
+
 
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

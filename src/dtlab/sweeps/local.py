@@ -12,7 +12,7 @@ from pathlib import Path
 
 from dtlab.process import interrupt
 from dtlab.process.launcher_guard import launcher_env
-from dtlab.run.sweep_record import failure_reason
+from dtlab.run.sweep_record import SWEEP_RUN_VAR, failure_reason
 
 
 def command(config_path: Path, nproc_per_node: int) -> list[str]:
@@ -29,8 +29,9 @@ def run_local(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[str, str
     with open(log_path, "a") as log:  # a continued run's log keeps its earlier attempts
         # A process group of its own: the launcher and its workers are stopped by signals to it. It
         # dies with this process, however this process ends (dtlab/process/launcher_guard.py).
+        env = {**launcher_env(), SWEEP_RUN_VAR: os.path.realpath(run_dir)}  # the sweep's own run
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=launcher_env())
+                                env=env)
         with interrupt.forwarding():
             try:
                 code = proc.wait(timeout=timeout_s)

@@ -11,6 +11,7 @@ gives the final state and exit code while the controller still remembers the job
 from __future__ import annotations
 
 import math
+import os
 import shlex
 import signal
 import subprocess
@@ -38,6 +39,7 @@ cd {workdir}
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))
 export OMP_NUM_THREADS={threads_per_rank}
+export DTLAB_SWEEP_RUN={run_dir}
 {setup}
 {launch}
 """
@@ -96,6 +98,7 @@ def render(run: PlannedRun, opts: SlurmOptions, timeout_s: float, workdir: Path,
         extra="\n".join(extra),
         label=run.label,
         workdir=shlex.quote(str(workdir)),
+        run_dir=shlex.quote(os.path.realpath(run.run_dir)),  # SWEEP_RUN_VAR: the sweep's own run
         setup="\n".join(opts.setup),
         launch=launch,
     )
