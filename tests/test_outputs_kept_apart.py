@@ -292,3 +292,41 @@ def test_a_runs_config_yaml_does_not_carry_overwrite(work: Path) -> None:
     assert "overwrite: false" in (work / "runs/a/config.yaml").read_text()
     line = refused(["train", "--config", "runs/a/config.yaml", "train.lr=0.1", "resume=none"], work)
     assert line.startswith("dtlab: error: run.dir 'runs/a' holds an earlier run"), line
+
+
+def test_prepare_refuses_one_file_twice_and_an_out_inside_a_run(work: Path) -> None:
+    (work / "corp").mkdir()
+    (work / "corp/a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    line = refused(["prepare", "corp", "corp/a.txt", "--out", "d"], work)
+    assert line == (f"dtlab: error: {Path('corp/a.txt')} is the same file as "
+                    f"{Path('corp/a.txt')}, given twice (by name, inside a directory, or through a "
+                    "link); fix: pass each file once"), line
+    line = refused(["prepare", "corp", "--out", "runs/a/checkpoints"], work)
+    assert line.startswith("dtlab: error: --out 'runs/a/checkpoints' is inside the output of "
+                           "dtlab run"), line
+
+
+def test_a_compare_again_keeps_the_users_files_in_its_plots_and_refuses_them_in_checkpoints(
+        tmp_path: Path) -> None:
+    compare = ["compare", "--strategies", "single", "--nproc-per-node", "1", *QUICK[:3],
+               "train.checkpoint_every=2", "--out", "c"]
+    ok(dtlab(*compare, cwd=tmp_path))
+    ok(dtlab("report", "c", cwd=tmp_path))
+    (tmp_path / "c/plots/my_annotations.md").write_text("mine")
+    (tmp_path / "c/single/checkpoints/NOTE.txt").write_text("mine")
+    line = refused(compare, tmp_path)
+    assert line == ("dtlab: error: --out 'c' holds single/checkpoints/NOTE.txt, which dtlab did "
+                    "not write and this compare would delete with the run it replaces; fix: move "
+                    "it out of the run's checkpoints/, or --out a new directory"), line
+    (tmp_path / "c/single/checkpoints/NOTE.txt").unlink()
+    ok(dtlab(*compare, cwd=tmp_path))
+    assert [p.name for p in (tmp_path / "c/plots").iterdir()] == ["my_annotations.md"]
+
+
+def test_a_resume_for_more_steps_says_the_schedule_changed(work: Path) -> None:
+    proc = dtlab("train", "train.max_steps=4", "run.progress=false", "train.checkpoint_every=2",
+                 "run.dir=runs/a", cwd=work)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ("dtlab: warning: the cosine learning-rate schedule now spans 4 steps, not the 2 the "
+            "checkpoint was trained for: from step 3 the learning rate is a 4-step run's, not "
+            "where the earlier run was heading") in proc.stderr

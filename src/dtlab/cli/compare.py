@@ -34,6 +34,7 @@ from dtlab.process.launcher_guard import launcher_env
 from dtlab.results.outputs import remove_report
 from dtlab.run import dir_lock
 from dtlab.run import owner as run_owner
+from dtlab.run.neighbours import foreign_in_checkpoints
 from dtlab.rundir.hints import RESUME_HINT_ENV
 
 MiB = 1024 * 1024
@@ -262,6 +263,13 @@ def _compare_in(args: argparse.Namespace, plans: dict[str, list[str]], out: Path
             f"does not run: its table would leave {them} out and collect and report would mix "
             f"{them} in; fix: add {them} to --strategies, --out a new directory, or move {them} "
             "away")
+    theirs = [f"{run_label(spec)}/{name}" for spec in plans
+              for name in foreign_in_checkpoints(out / run_label(spec))]
+    if theirs:  # the runs below are replaced whole, their checkpoints folder with them
+        them = "it" if len(theirs) == 1 else "them"
+        raise ConfigError(f"--out '{out}' holds {owned.shown(theirs)}, which dtlab did not write "
+                          f"and this compare would delete with the run it replaces; fix: move "
+                          f"{them} out of the run's checkpoints/, or --out a new directory")
     for name in results_files:  # the earlier table goes first: a compare cut short leaves none
         if name in mine.entries:
             (out / name).unlink(missing_ok=True)

@@ -5,7 +5,7 @@ RUN/summary.json` must not turn a run's record into HTML."""
 
 from __future__ import annotations
 
-import shutil
+import contextlib
 from pathlib import Path
 
 from dtlab import atomic_write, files, owned
@@ -41,5 +41,11 @@ def remove_report(directory: Path) -> None:
                 if KINDS[kind][1](f.read(4096)):
                     path.unlink()
     plots = directory / "plots"
-    if plots.is_dir() and not plots.is_symlink() and (owned.read(plots) or {}).get("kind") == "plot":
-        shutil.rmtree(plots)
+    record = owned.read(plots) if plots.is_dir() and not plots.is_symlink() else None
+    if record is not None and record["kind"] == "plot":  # its figures; a user's notes stay
+        for name in [*record["entries"], owned.RECORD]:
+            path = plots / name
+            if path.is_file() and not path.is_symlink():
+                path.unlink()
+        with contextlib.suppress(OSError):
+            plots.rmdir()  # only when nothing else is left

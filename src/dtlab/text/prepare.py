@@ -61,6 +61,14 @@ def input_files(inputs: list[str]) -> list[Path | str]:
         else:
             raise DataError(f"{item} not found; fix: pass text files, a directory of them, or "
                             "a Hugging Face dataset name such as roneneldan/TinyStories")
+    seen: dict[str, Path] = {}  # one text twice would put its validation part in train.bin too
+    for source in found:
+        if isinstance(source, Path):
+            real = os.path.realpath(source)
+            if real in seen:
+                raise DataError(f"{source} is the same file as {seen[real]}, given twice (by name, "
+                                "inside a directory, or through a link); fix: pass each file once")
+            seen[real] = source
     for source in found:  # an unreadable file is found now, not after the rest is encoded
         if isinstance(source, Path):
             try:
@@ -188,8 +196,11 @@ def prepare(inputs: list[str], out: Path, tokenizer: str = "bytes", val_fraction
 def check_out(out: Path) -> None:
     """--out can take a data set: a new directory, an empty one, or an earlier data set.
     Re-preparing replaces the whole directory, so one holding anything else is refused rather
-    than deleted; so are the current directory (and those above it) and a mount point, which
-    cannot be renamed."""
+    than deleted; so are the current directory (and those above it), a mount point, which
+    cannot be renamed, and a place inside another command's output (a run's checkpoints/)."""
+    from dtlab import owned
+
+    owned.check_not_nested(out, "--out")
     target, here = out.resolve(), Path.cwd().resolve()
     below = f"choose a directory below it, e.g. --out {out / 'tokens'}"
     if target == here or target in here.parents:
