@@ -271,8 +271,8 @@ def test_export_replaces_an_earlier_export_of_the_same_kind(ckpt: Path, tmp_path
         "write (tokenizer.json), which exporting there would delete; fix: choose another -o, or "
         "move them out of it")
     assert one_line(dtlab("export", str(ckpt), "-o", str(hf / "config.json"))).endswith(
-        "is a file that dtlab export did not write, and exporting would replace it; fix: choose "
-        "another -o, or add --overwrite to replace it")
+        f"is inside the Hugging Face export '{hf}', whose config and weights would no longer "
+        f"match; fix: export --format hf -o {hf} to replace that export, or another -o")
     assert (hf / "tokenizer.json").exists()
     # --overwrite replaces what is not an export, never the user's files beside an export
     assert one_line(dtlab("export", str(ckpt), "--format", "hf", "-o", str(hf), "--overwrite")) \

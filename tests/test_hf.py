@@ -120,7 +120,7 @@ def test_weights_come_from_a_local_directory(tmp_path: Path) -> None:
      "most 64"),
     (["model.name=hf", "model.hf.path=missing/model"], "model.hf.path 'missing/model' is no local "
      "directory, and the hub is unreachable or has no such model"),
-    ([*LLAMA, "strategy.name=pp"], "strategy.name=pp splits a GPT's layers, not model.name=hf"),
+    ([*LLAMA, "strategy.name=cp"], "strategy.name=cp splits a GPT's layers, not model.name=hf"),
 ])
 def test_bad_models_are_one_line(overrides: list[str], message: str, tmp_path: Path,
                                 monkeypatch: pytest.MonkeyPatch) -> None:

@@ -93,7 +93,10 @@ def test_overwrite_replaces_the_earlier_run_and_keeps_the_new_checkpoints(run: P
     assert json.loads((run / "summary.json").read_text())["steps"] == 4
     lines = errors(train(run, *CKPT, "train.max_steps=6"), 0)  # resume=auto: the new run
     assert lines == [f"dtlab: resuming from {run}/checkpoints/step_000004 at step 4; steps lost "
-                     "since that checkpoint: 0"]
+                     "since that checkpoint: 0",
+                     "dtlab: warning: the cosine learning-rate schedule now spans 6 steps, not the "
+                     "4 the checkpoint was trained for: from step 5 the learning rate is a 6-step "
+                     "run's, not where the earlier run was heading"]
     assert manifest(run, 6)["run"]["id"] in ids and logged_steps(run) == [1, 2, 3, 4, 5, 6]
 
 
@@ -129,7 +132,7 @@ def test_a_checkpoint_without_a_run_record_resumes_with_a_warning(run: Path) -> 
     assert lines[0] == (f"dtlab: warning: checkpoint {run}/checkpoints/step_000006 records no "
                         "run id (written before dtlab recorded them); its config matches, so it "
                         "is continued as this run")
-    assert lines[1].startswith("dtlab: resuming from") and len(lines) == 2
+    assert lines[1].startswith("dtlab: resuming from") and len(lines) == 3  # + the schedule's
     assert len(manifest(run, 8)["run"]["id"]) == 12
 
 

@@ -188,8 +188,6 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
                 f"run.dir '{run_dir}' holds this run complete at step {run.start}; its summary "
                 "stands and nothing was written (to train on, raise train.max_steps; to start "
                 "over, resume=none run.overwrite=true)")
-        if ctx.is_main:
-            schedule_note(manifest, cfg, run, loader.steps_per_epoch)
     check_fault(cfg.run.fault, ctx.world_size, run.total_steps)  # one that can fire
     run_owner.begin(run, ctx, cfg, path, watch)
     profiler, snapshot = windows(cfg, run_dir, ctx, run.total_steps, run.start)
@@ -203,6 +201,7 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
                 "over)" if run.done else "")
         print(f"dtlab: resuming from {path} at step {run.start}{done}; steps lost since that "
               f"checkpoint: {log.lost_steps}", file=sys.stderr, flush=True)
+        schedule_note(manifest, cfg, run, loader.steps_per_epoch)
     if ctx.is_main:
         try:
             # run.overwrite is an action of this start, not the run's: `--config RUN/config.yaml`
@@ -316,6 +315,20 @@ def _train(cfg: Config, ctx: DistContext, run_dir: Path, watch: DirectoryWatch) 
     return summary
 
 
+def schedule_note(manifest: dict[str, Any], cfg: Any, run: RunState, steps_per_epoch: int) -> None:
+    """A resume for another number of steps stretches (or shrinks) a decaying schedule: said in
+    one line, since the learning rate from here on is not where the earlier run was heading."""
+    earlier = (manifest.get("config") or {}).get("train") or {}
+    if cfg.train.schedule == "constant" or not isinstance(earlier, dict):
+        return
+    total = earlier.get("max_steps") or (earlier.get("epochs") or 0) * steps_per_epoch
+    if isinstance(total, int) and total and total != run.total_steps:
+        print(f"dtlab: warning: the {cfg.train.schedule} learning-rate schedule now spans "
+              f"{run.total_steps} steps, not the {total} the checkpoint was trained for: from "
+              f"step {run.start + 1} the learning rate is a {run.total_steps}-step run's, not "
+              "where the earlier run was heading", file=sys.stderr, flush=True)
+
+
 def run(config: str | None, overrides: list[str]) -> int:
     """Worker entry: validate, set up the process group, train, always tear down. Returns exit code."""
     env = detect_env()
@@ -391,18 +404,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     leave(main())
-
-
-def schedule_note(manifest: dict[str, Any], cfg: Any, run: RunState, steps_per_epoch: int) -> None:
-    """A resume for another number of steps stretches (or shrinks) a decaying schedule: said in
-    one line, since the learning rate from here on is not where the earlier run was heading."""
-    earlier = (manifest.get("config") or {}).get("train") or {}
-    if cfg.train.schedule == "constant" or not isinstance(earlier, dict):
-        return
-    total = earlier.get("max_steps") or (earlier.get("epochs") or 0) * steps_per_epoch
-    if isinstance(total, int) and total and total != run.total_steps:
-        print(f"dtlab: warning: the {cfg.train.schedule} learning-rate schedule now spans "
-              f"{run.total_steps} steps, not the {total} the checkpoint was trained for: from "
-              f"step {run.start + 1} the learning rate is a {run.total_steps}-step run's, not "
-              "where the earlier run was heading", file=sys.stderr, flush=True)
 
