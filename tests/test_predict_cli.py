@@ -263,7 +263,7 @@ def test_advise_searches_layouts_and_traces_the_fastest_that_fit() -> None:
     their microbatch counts are searched; what dtlab refuses says why; the fastest that fit by
     the screen are traced by predict and ranked by its step time."""
     proc = dtlab("advise", "--config", "configs/fsdp_gpt.yaml", "--gpus", "8", "--gpu-memory", "80",
-                 "--cluster", "h100_sxm_8x", "--trace-most", "2", "--json", "train.precision=bf16")
+                 "--cluster", "h100_sxm_8x", "--trace-most", "1", "--json", "train.precision=bf16")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     searched = {(r["layout"], r["microbatches"]): r for r in out["searched"]}
@@ -277,10 +277,12 @@ def test_advise_searches_layouts_and_traces_the_fastest_that_fit() -> None:
     assert all(r["screen"]["bubble_s"] == pytest.approx(r["screen"]["compute_s"] / r["microbatches"])
                for r in pipelines)  # (p - 1) / m of the compute, p = 2
     ranked = out["by_step_time"]
-    assert len(ranked) == 2 and ranked[0]["slower"] == 1
-    assert [r["step_s"] for r in ranked] == sorted(r["step_s"] for r in ranked)
+    assert len(ranked) == 1 and ranked[0]["slower"] == 1
     traced = [r for r in out["searched"] if r["predicted_step_s"]]
-    assert len(traced) == 2 and out["why"].startswith(ranked[0]["strategy"])
+    assert len(traced) == 1 and out["why"].startswith(ranked[0]["strategy"])
+    fastest = min((r for r in screened if r["screen"]["device_bytes"] <= 80e9),
+                  key=lambda r: r["screen"]["step_s"])
+    assert traced[0]["layout"] == fastest["layout"]  # the screen chose what to trace
 
 
 def test_tokens_gives_the_days_gpu_hours_and_cost_to_train() -> None:
