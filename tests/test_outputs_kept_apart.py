@@ -134,26 +134,6 @@ def test_a_compare_or_sweep_out_holding_another_output_is_refused(work: Path,
                     "command's results would count in; fix: a directory of its own beside it"), line
 
 
-def test_a_compare_again_removes_the_earlier_report_and_keeps_its_runs_its_own(
-        tmp_path: Path) -> None:
-    """The report of the earlier runs would describe runs that are gone; a `dtlab train` into
-    one of its runs (while no compare runs) would leave the table describing another run."""
-    compare = ["compare", "--strategies", "single", "--nproc-per-node", "1", *QUICK[:3],
-               "--out", "c"]
-    ok(dtlab(*compare, cwd=tmp_path))
-    ok(dtlab("report", "c", cwd=tmp_path))
-    assert {"report.html", "results.csv", "plots"} <= {p.name for p in (tmp_path / "c").iterdir()}
-    (tmp_path / "c/notes.txt").write_text("mine")
-    ok(dtlab(*compare, "train.lr=0.03", cwd=tmp_path))
-    left = {p.name for p in (tmp_path / "c").iterdir()}
-    assert not {"report.html", "results.csv", "plots"} & left and "notes.txt" in left
-    line = refused(["train", *QUICK, "train.lr=0.3", "run.dir=c/single", "run.overwrite=true"],
-                   tmp_path)
-    assert line == (f"dtlab: error: run.dir 'c/single' is a run of dtlab compare '{tmp_path / 'c'}'"
-                    ", whose table describes it; fix: run that compare again to retrain it, or a "
-                    "run.dir outside it"), line
-
-
 def test_a_run_dir_through_a_link_into_another_run_is_refused(work: Path) -> None:
     (work / "runs/a/sub").mkdir()
     os.symlink("runs/a/sub", work / "lk")
@@ -306,12 +286,18 @@ def test_prepare_refuses_one_file_twice_and_an_out_inside_a_run(work: Path) -> N
                            "dtlab run"), line
 
 
-def test_a_compare_again_keeps_the_users_files_in_its_plots_and_refuses_them_in_checkpoints(
+def test_a_compare_again_removes_its_earlier_report_keeps_the_users_files_and_its_runs(
         tmp_path: Path) -> None:
+    """The report of the earlier runs would describe runs that are gone: its table, results and
+    figures go, a user's notes in plots/ stay; a user's file in a run's checkpoints/ is refused
+    (the run is replaced whole); a `dtlab train` into one of its runs, while no compare runs
+    there, is refused (the compare's table describes that run)."""
     compare = ["compare", "--strategies", "single", "--nproc-per-node", "1", *QUICK[:3],
                "train.checkpoint_every=2", "--out", "c"]
     ok(dtlab(*compare, cwd=tmp_path))
     ok(dtlab("report", "c", cwd=tmp_path))
+    assert {"report.html", "results.csv", "plots"} <= {p.name for p in (tmp_path / "c").iterdir()}
+    (tmp_path / "c/notes.txt").write_text("mine")
     (tmp_path / "c/plots/my_annotations.md").write_text("mine")
     (tmp_path / "c/single/checkpoints/NOTE.txt").write_text("mine")
     line = refused(compare, tmp_path)
@@ -319,8 +305,15 @@ def test_a_compare_again_keeps_the_users_files_in_its_plots_and_refuses_them_in_
                     "not write and this compare would delete with the run it replaces; fix: move "
                     "it out of the run's checkpoints/, or --out a new directory"), line
     (tmp_path / "c/single/checkpoints/NOTE.txt").unlink()
-    ok(dtlab(*compare, cwd=tmp_path))
+    ok(dtlab(*compare, "train.lr=0.03", cwd=tmp_path))
+    left = {p.name for p in (tmp_path / "c").iterdir()}
+    assert not {"report.html", "results.csv"} & left and "notes.txt" in left
     assert [p.name for p in (tmp_path / "c/plots").iterdir()] == ["my_annotations.md"]
+    line = refused(["train", *QUICK, "train.lr=0.3", "run.dir=c/single", "run.overwrite=true"],
+                   tmp_path)
+    assert line == (f"dtlab: error: run.dir 'c/single' is a run of dtlab compare '{tmp_path / 'c'}'"
+                    ", whose table describes it; fix: run that compare again to retrain it, or a "
+                    "run.dir outside it"), line
 
 
 def test_a_resume_for_more_steps_says_the_schedule_changed(work: Path) -> None:
