@@ -9,8 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import dtlab, fast_launches, max_rel_dev, step_losses
+from conftest import max_rel_dev, step_losses
 from test_model_parallel import GPT_TINY, TOL
+from test_three_d import verified
 
 from dtlab.cli.compare import param_deviation, run_label
 
@@ -21,13 +22,7 @@ LAYOUTS = ["fsdp@cp2", "single@tp2.cp2"]
 
 @pytest.fixture(scope="module")
 def runs(session_dir: Path) -> Path:
-    out = session_dir / "context-parallel"
-    with fast_launches():
-        proc = dtlab("compare", "--strategies", ",".join(["single", *LAYOUTS]), "--nproc-per-node",
-                     "4", "--verify", "--tolerance", str(TOL), "--out", str(out), *SETTINGS)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "verify passed: 4 steps vs single" in proc.stdout
-    return out
+    return verified(session_dir / "context-parallel", LAYOUTS, 4, 4, *SETTINGS)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

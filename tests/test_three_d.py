@@ -24,15 +24,19 @@ SETTINGS = [*(o for o in GPT_TINY if not o.startswith("train.max_steps")), f"tra
 LAYOUTS = ["single@pp2.tp2", "fsdp@pp2.tp2"]
 
 
+def verified(out: Path, layouts: list[str], nproc: int, steps: int, *settings: str) -> Path:
+    """`dtlab compare --verify` of single and `layouts` on `nproc` ranks into `out`, passed."""
+    with fast_launches():
+        proc = dtlab("compare", "--strategies", ",".join(["single", *layouts]), "--nproc-per-node",
+                     str(nproc), "--verify", "--tolerance", str(TOL), "--out", str(out), *settings)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"verify passed: {steps} steps vs single" in proc.stdout
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(session_dir: Path) -> Path:
-    out = session_dir / "three-d"
-    with fast_launches():
-        proc = dtlab("compare", "--strategies", ",".join(["single", *LAYOUTS]), "--nproc-per-node",
-                     "8", "--verify", "--tolerance", str(TOL), "--out", str(out), *SETTINGS)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"verify passed: {STEPS} steps vs single" in proc.stdout
-    return out
+    return verified(session_dir / "three-d", LAYOUTS, 8, STEPS, *SETTINGS)
 
 
 def summary(run: Path) -> dict:
@@ -139,12 +143,8 @@ def test_a_tiny_llama_on_the_3d_mesh_matches_single(session_dir: Path) -> None:
     """A transformers Llama (a LlamaConfig, 4 decoder layers) split into pipeline stages under
     its own names, each stage tensor-parallel with the Llama plan, FSDP2 over the replicas:
     fsdp@pp2.tp2 on 8 ranks with 1F1B, and the 2-D single@pp2.tp2 with interleaved 1F1B on 4."""
-    out = session_dir / "three-d-llama"
-    with fast_launches():
-        proc = dtlab("compare", *LLAMA, "--strategies", "single,fsdp@pp2.tp2", "--nproc-per-node",
-                     "8", "--verify", "--tolerance", str(TOL), "--out", str(out), *LLAMA_SETTINGS)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "verify passed: 3 steps vs single" in proc.stdout
+    out = verified(session_dir / "three-d-llama", ["fsdp@pp2.tp2"], 8, 3, *LLAMA,
+                   *LLAMA_SETTINGS)
     s = summary(out / run_label("fsdp@pp2.tp2"))
     assert (s["layout"], s["strategy_options"]["mesh"]) == ("fsdp@pp2.tp2", {"pp": 2, "dp": 2, "tp": 2})
     interleaved = session_dir / "three-d-llama-interleaved"
