@@ -286,12 +286,12 @@ def test_prepare_refuses_one_file_twice_and_an_out_inside_a_run(work: Path) -> N
                            "dtlab run"), line
 
 
-def test_a_compare_again_removes_its_earlier_report_keeps_the_users_files_and_its_runs(
+def test_a_compare_again_refuses_its_earlier_report_and_the_users_files_and_keeps_its_runs(
         tmp_path: Path) -> None:
-    """The report of the earlier runs would describe runs that are gone: its table, results and
-    figures go, a user's notes in plots/ stay; a user's file in a run's checkpoints/ is refused
-    (the run is replaced whole); a `dtlab train` into one of its runs, while no compare runs
-    there, is refused (the compare's table describes that run)."""
+    """The report of the earlier runs would describe runs that are gone: a compare again is
+    refused until it is moved away (deleting it unasked would lose what the user asked for); a
+    user's file in a run's checkpoints/ is refused (the run is replaced whole); a `dtlab train`
+    into one of its runs, while no compare runs there, is refused (its table describes it)."""
     compare = ["compare", "--strategies", "single", "--nproc-per-node", "1", *QUICK[:3],
                "train.checkpoint_every=2", "--out", "c"]
     ok(dtlab(*compare, cwd=tmp_path))
@@ -305,10 +305,16 @@ def test_a_compare_again_removes_its_earlier_report_keeps_the_users_files_and_it
                     "not write and this compare would delete with the run it replaces; fix: move "
                     "it out of the run's checkpoints/, or --out a new directory"), line
     (tmp_path / "c/single/checkpoints/NOTE.txt").unlink()
+    line = refused([*compare, "train.lr=0.03"], tmp_path)
+    assert line == ("dtlab: error: --out 'c' holds report.html, results.csv, plots/, which `dtlab "
+                    "report` made of the earlier compare's runs and which this compare would leave "
+                    "describing runs that are gone; fix: move them away, or --out a new "
+                    "directory"), line
+    for name in ("report.html", "results.csv"):
+        (tmp_path / "c" / name).unlink()
+    shutil.rmtree(tmp_path / "c/plots")
     ok(dtlab(*compare, "train.lr=0.03", cwd=tmp_path))
-    left = {p.name for p in (tmp_path / "c").iterdir()}
-    assert not {"report.html", "results.csv"} & left and "notes.txt" in left
-    assert [p.name for p in (tmp_path / "c/plots").iterdir()] == ["my_annotations.md"]
+    assert (tmp_path / "c/notes.txt").read_text() == "mine"
     line = refused(["train", *QUICK, "train.lr=0.3", "run.dir=c/single", "run.overwrite=true"],
                    tmp_path)
     assert line == (f"dtlab: error: run.dir 'c/single' is a run of dtlab compare '{tmp_path / 'c'}'"

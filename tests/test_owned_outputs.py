@@ -6,6 +6,7 @@ owner's output; the same command run again replaces its own output."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from conftest import CONFIGS, dtlab, fast_launches
@@ -45,9 +46,9 @@ def test_compare_refuses_a_users_run_in_its_out_before_any_run(tmp_path: Path) -
 
 
 def test_compare_replaces_its_own_runs_and_keeps_the_users_files(tmp_path: Path) -> None:
-    """compare twice into one --out, a report written there in between: the second compare
-    trains its run anew and removes that report (it described the earlier runs); the user's
-    notes beside the runs stay."""
+    """compare twice into one --out, a report written there in between: the second compare is
+    refused until that report is moved away (it describes the earlier runs), then trains its run
+    anew; the user's notes beside the runs stay."""
     args = ["compare", "--strategies", "single", "--out", "cmp", "train.max_steps=2",
             "run.timing_warmup_steps=1"]
     with fast_launches():
@@ -55,11 +56,16 @@ def test_compare_replaces_its_own_runs_and_keeps_the_users_files(tmp_path: Path)
         (tmp_path / "cmp" / "notes.txt").write_text("mine\n")
         ok(dtlab("report", "cmp", cwd=tmp_path))  # results.csv, plots/, report.html beside
         first = (tmp_path / "cmp" / "single" / "summary.json").stat().st_mtime_ns
+        assert dtlab(*args, cwd=tmp_path).returncode == 2  # that report is moved away first
+        for name in ("report.html", "results.csv", "plots"):
+            path = tmp_path / "cmp" / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
         ok(dtlab(*args, cwd=tmp_path))
     assert (tmp_path / "cmp" / "single" / "summary.json").stat().st_mtime_ns > first
     assert (tmp_path / "cmp" / "notes.txt").read_text() == "mine\n"
-    assert not any((tmp_path / "cmp" / name).exists() for name in ("report.html", "results.csv",
-                                                                    "plots"))
     record = json.loads((tmp_path / "cmp" / RECORD).read_text())
     assert (record["kind"], record["entries"]) == ("compare", ["compare.csv", "compare.json", "single"])
 

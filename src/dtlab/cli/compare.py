@@ -31,7 +31,7 @@ from dtlab.errors import ConfigError
 from dtlab.instruments.machine_load import mfu_line, warning
 from dtlab.process.interrupt import INTERRUPT_CODES, Interrupted, forwarding, requested
 from dtlab.process.launcher_guard import launcher_env
-from dtlab.results.outputs import remove_report
+from dtlab.results.outputs import report_outputs
 from dtlab.run import dir_lock
 from dtlab.run import owner as run_owner
 from dtlab.run.neighbours import foreign_in_checkpoints
@@ -270,10 +270,15 @@ def _compare_in(args: argparse.Namespace, plans: dict[str, list[str]], out: Path
         raise ConfigError(f"--out '{out}' holds {owned.shown(theirs)}, which dtlab did not write "
                           f"and this compare would delete with the run it replaces; fix: move "
                           f"{them} out of the run's checkpoints/, or --out a new directory")
+    reported = report_outputs(out)
+    if reported:  # made of the earlier runs: they would describe runs that are gone
+        raise ConfigError(f"--out '{out}' holds {', '.join(reported)}, which `dtlab report` made of "
+                          "the earlier compare's runs and which this compare would leave "
+                          "describing runs that are gone; fix: move them away, or --out a new "
+                          "directory")
     for name in results_files:  # the earlier table goes first: a compare cut short leaves none
         if name in mine.entries:
             (out / name).unlink(missing_ok=True)
-    remove_report(out)  # `dtlab report`'s of the earlier runs: it would describe runs now gone
     for spec in plans:  # every earlier run goes before the first: one cut short leaves no mix
         if run_label(spec) in mine.entries and (out / run_label(spec)).is_dir():
             clear_run(out / run_label(spec))

@@ -5,7 +5,6 @@ RUN/summary.json` must not turn a run's record into HTML."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 from dtlab import atomic_write, files, owned
@@ -30,22 +29,17 @@ def write_output(path: Path, text: str, kind: str) -> Path:
                         f"writing '{path}'", "-o/--output")
 
 
-def remove_report(directory: Path) -> None:
-    """`dtlab report`'s outputs in a directory whose runs are about to be replaced (a compare run
-    again): report.html, results.csv and plots/, each only where dtlab wrote it."""
-    directory = Path(directory)
+def report_outputs(directory: Path) -> list[str]:
+    """What `dtlab report` wrote in a directory: report.html, results.csv and plots/, each only
+    where dtlab wrote it."""
+    directory, found = Path(directory), []
     for name, kind in (("report.html", "report"), ("results.csv", "csv")):
         path = directory / name
         if path.is_file() and not path.is_symlink():
             with open(path, "rb") as f:
                 if KINDS[kind][1](f.read(4096)):
-                    path.unlink()
+                    found.append(name)
     plots = directory / "plots"
-    record = owned.read(plots) if plots.is_dir() and not plots.is_symlink() else None
-    if record is not None and record["kind"] == "plot":  # its figures; a user's notes stay
-        for name in [*record["entries"], owned.RECORD]:
-            path = plots / name
-            if path.is_file() and not path.is_symlink():
-                path.unlink()
-        with contextlib.suppress(OSError):
-            plots.rmdir()  # only when nothing else is left
+    if plots.is_dir() and not plots.is_symlink() and (owned.read(plots) or {}).get("kind") == "plot":
+        found.append("plots/")
+    return found
