@@ -26,7 +26,7 @@ import contextlib
 import fnmatch
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,39 +194,35 @@ def check_made_from(path: Path, flag: str, sources: Iterable[Path]) -> None:
                   "pass for that output's own; fix: a path outside it")
 
 
-def output_below(directory: Path, depth: int = 3, most: int = 2000,
-                 skip: set[str] | frozenset[str] = frozenset()) -> tuple[Path, dict] | None:
-    """The nearest command output (figures aside) inside `directory`, looked for `depth` levels
-    down and among at most `most` folders (a run's own folders hold none), not inside the
-    entries named in `skip` (a command's own)."""
+def _outputs_below(directory: Path, depth: int = 3, most: int = 2000,
+                   skip: set[str] | frozenset[str] = frozenset()) -> Iterator[tuple[Path, dict]]:
+    """The command outputs inside `directory` (not those inside another one), `depth` levels
+    down at most and among at most `most` folders, not inside the entries named in `skip` (a
+    command's own)."""
     top = Path(directory)
     looked = 0
     for folder, subdirs, names in os.walk(top):
         level = len(Path(folder).relative_to(top).parts)
         if level == 0:
             subdirs[:] = [d for d in subdirs if d not in skip]
-        if level and RECORD in names:
-            record = read(Path(folder))
-            if record is not None and record["kind"] != "plot":
-                return Path(folder), record
+        record = read(Path(folder)) if level and RECORD in names else None
+        if record is not None:
+            yield Path(folder), record
+            subdirs.clear()
         looked += len(subdirs)
         if level >= depth or looked > most:
             subdirs.clear()
         subdirs.sort()
-    return None
+
+
+def output_below(directory: Path, depth: int = 3, most: int = 2000,
+                 skip: set[str] | frozenset[str] = frozenset()) -> tuple[Path, dict] | None:
+    """The nearest command output (figures aside) inside `directory` (see _outputs_below)."""
+    return next((found for found in _outputs_below(directory, depth, most, skip)
+                 if found[1]["kind"] != "plot"), None)
 
 
 def commands_below(directory: Path, depth: int = 3) -> list[tuple[Path, dict]]:
-    """The compare and sweep outputs inside `directory` (not inside one another), `depth`
-    levels down at most."""
-    top, found = Path(directory), []
-    for folder, subdirs, names in os.walk(top):
-        level = len(Path(folder).relative_to(top).parts)
-        record = read(Path(folder)) if level and RECORD in names else None
-        if record is not None and record["kind"] in ("compare", "sweep"):
-            found.append((Path(folder), record))
-            subdirs.clear()
-        elif level >= depth:
-            subdirs.clear()
-        subdirs.sort()
-    return found
+    """The compare and sweep outputs inside `directory` (see _outputs_below)."""
+    return [found for found in _outputs_below(directory, depth)
+            if found[1]["kind"] in ("compare", "sweep")]
