@@ -160,18 +160,22 @@ def in_process(fn: Callable[[], int], cwd: Path | None = None, env: dict[str, st
     return subprocess.CompletedProcess(args or [], code, stdout, stderr)
 
 
-def dtlab(*args: str, cwd: Path | None = None,
-          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def dtlab(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+          real_launches: bool = False) -> subprocess.CompletedProcess[str]:
     """`dtlab ARGS` inside this process: dtlab.cli.main.main(ARGS), its exit code and output.
 
     What the console script does besides main() is distributed.leave(), which only matters after
     a process group: use it for commands that start none here (1-rank `single` runs, validation
-    errors, launches, compare/sweep, which start their runs as processes, estimate, advise, ...)."""
+    errors, launches, compare/sweep, which start their runs as processes, estimate, advise, ...).
+    Their ranks start through fast_launches (a fresh interpreter per run or rank costs 4-5 s of
+    CPU in imports alone); real_launches=True keeps dtlab's own processes (python -m dtlab train
+    for each run of a compare or sweep, torch elastic's agent for a train)."""
     from dtlab.cli.main import main
 
     def run() -> int:
         try:
-            return main(list(args))
+            with contextlib.nullcontext() if real_launches else fast_launches():
+                return main(list(args))
         except SystemExit as e:  # argparse: bad usage (2) or --help (0)
             return e.code if isinstance(e.code, int) else 1
 

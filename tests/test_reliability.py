@@ -139,7 +139,7 @@ def test_a_hung_rank_is_named_and_nothing_is_left(tmp_path: Path) -> None:
     t0 = time.perf_counter()  # the real command: torch elastic stops the hung rank
     proc = dtlab("train", "--nproc-per-node", "2", "strategy.name=ddp", "train.max_steps=20",
                  "run.timeout_s=5", "run.fault.kind=hang", "run.fault.step=5", "run.fault.rank=1",
-                 f"run.dir={tmp_path}", "run.progress=false")
+                 f"run.dir={tmp_path}", "run.progress=false", real_launches=True)
     assert proc.returncode == 1
     assert time.perf_counter() - t0 < 5 + 30 + 15  # timeout + 30 s, plus start-up
     assert "a collective failed at step 5 on rank 0" in proc.stderr

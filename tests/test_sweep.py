@@ -111,7 +111,7 @@ exclude: [{data.name: mnist, train.max_steps: 100000}, {data.name: synthetic, tr
           {data.name: synthetic, nproc_per_node: 1}, {data.name: mnist, nproc_per_node: 2}]
 timeout_s: 10
 """)
-    proc = dtlab("sweep", str(spec), "--out", str(tmp_path / "o"))
+    proc = dtlab("sweep", str(spec), "--out", str(tmp_path / "o"), real_launches=True)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "0 of 2 runs done, 2 failed" in proc.stdout
     records = {r["label"]: r for r in (json.loads(p.read_text())

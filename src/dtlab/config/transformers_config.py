@@ -22,6 +22,10 @@ from dtlab.errors import ConfigError
 # and transformers skips building a mask, including the packed-sequence check whose
 # `.all()` waits for the device in every forward (and cannot run on meta tensors).
 ATTENTION = "dtlab_causal_sdpa"
+# What every from_pretrained of dtlab's passes: transformers >= 5.2x swaps layers for the `kernels`
+# package's hub kernels while loading (fetched online; it refuses the meta device), so the loaded
+# model would run other code than the same model built from its config.
+LOADING = {"use_kernels": False}
 _CONFIGS: dict[str, Any] = {}  # one transformers config per (path, config) in a process
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from dtlab.config.transformers_config import (
     ATTENTION,
+    LOADING,
     hf_config,
     load_hf_config,
     require_transformers,
@@ -145,7 +146,7 @@ def build(m: Any) -> HFCausalLM:
 
         try:  # the files changed since the launcher checked them (check_model)
             lm = t.AutoModelForCausalLM.from_pretrained(m.hf.path, config=config, dtype=dtype,
-                                                        attn_implementation=ATTENTION)
+                                                        attn_implementation=ATTENTION, **LOADING)
         except (OSError, SafetensorError, RuntimeError) as e:
             raise ConfigError(f"model.hf.path '{m.hf.path}': its weights cannot be loaded "
                               f"({str(e).splitlines()[0][:120]}); fix: point it at a complete "

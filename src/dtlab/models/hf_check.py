@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dtlab.config.transformers_config import LOADING
 from dtlab.errors import ConfigError
 
 # Sizes that must be positive where a config has them (under transformers' canonical names,
@@ -195,7 +196,8 @@ def weight_problem(path: Path, cfg: Any, transformers: Any) -> str | None:
     auto = transformers.AutoModelForCausalLM
     try:
         _, info = auto.from_pretrained(str(path), config=cfg, device_map="meta",
-                                       output_loading_info=True, ignore_mismatched_sizes=True)
+                                       output_loading_info=True, ignore_mismatched_sizes=True,
+                                       **LOADING)
     except (OSError, ValueError, RuntimeError) as e:
         return f"transformers cannot load them: {str(e).splitlines()[0][:120]}"
     missing, mismatched = sorted(info["missing_keys"]), sorted(info["mismatched_keys"])
