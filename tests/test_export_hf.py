@@ -92,6 +92,8 @@ def test_the_exported_directory_computes_dtlabs_logits(runs: Path, kind: str) ->
     out.mkdir()  # an empty directory is taken
     export_hf(ckpt, out)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    again = dtlab("export", str(ckpt), "--format", "hf", "-o", str(out))  # said, not silent
+    assert again.stdout.strip() == f"replaced the earlier export: {out}", again.stdout
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "gpt2" and config["architectures"] == ["GPT2LMHeadModel"]
     assert config["activation_function"] == "gelu" and config["layer_norm_epsilon"] == 1e-5

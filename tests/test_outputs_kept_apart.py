@@ -7,6 +7,7 @@ longer described by meta.json is not reported as changed data."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -313,7 +314,9 @@ def test_a_compare_again_refuses_its_earlier_report_and_the_users_files_and_keep
     for name in ("report.html", "results.csv"):
         (tmp_path / "c" / name).unlink()
     shutil.rmtree(tmp_path / "c/plots")
-    ok(dtlab(*compare, "train.lr=0.03", cwd=tmp_path))
+    said = ok(dtlab(*compare, "train.lr=0.03", cwd=tmp_path))
+    assert said.splitlines()[0] == ("dtlab compare: replacing the earlier compare's single in "
+                                    "'c' (--out a new directory keeps them)"), said
     assert (tmp_path / "c/notes.txt").read_text() == "mine"
     line = refused(["train", *QUICK, "train.lr=0.3", "run.dir=c/single", "run.overwrite=true"],
                    tmp_path)
@@ -329,3 +332,26 @@ def test_a_resume_for_more_steps_says_the_schedule_changed(work: Path) -> None:
     assert ("dtlab: warning: the cosine learning-rate schedule now spans 4 steps, not the 2 the "
             "checkpoint was trained for: from step 3 the learning rate is a 4-step run's, not "
             "where the earlier run was heading") in proc.stderr
+
+
+def test_a_run_into_a_token_data_set_is_refused(tmp_path: Path) -> None:
+    """prepare replaces its folder whole: a run's files there would go with it (and stand among
+    the token files)."""
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    ok(dtlab("prepare", "corpus.txt", "--out", "data", cwd=tmp_path))
+    line = refused(["train", *QUICK, "run.dir=data"], tmp_path)
+    assert line == ("dtlab: error: run.dir 'data' is a token data set (train.bin, val.bin), whose "
+                    "folder dtlab prepare replaces whole and whose files the run's would sit "
+                    "among; fix: a run.dir of its own (e.g. runs/NAME), with data.dir naming "
+                    "that folder"), line
+
+
+def test_collect_tells_apart_runs_of_one_strategy_by_the_keys_they_differ_in(work: Path) -> None:
+    """Two `single` runs with another learning rate: one series each, not one line of both; two
+    alike runs keep the strategy's name alone."""
+    ok(dtlab("train", *QUICK, "train.lr=0.3", "run.dir=runs/c", cwd=work))
+    ok(dtlab("collect", "runs/a", "runs/c", "-o", "all.csv", cwd=work))
+    series = sorted(r["series"] for r in csv.DictReader((work / "all.csv").open()))
+    assert series == ["single, train.lr=0.05", "single, train.lr=0.3"], series
+    ok(dtlab("collect", "runs/a", "runs/b", "-o", "alike.csv", cwd=work))
+    assert [r["series"] for r in csv.DictReader((work / "alike.csv").open())] == ["single"] * 2

@@ -279,9 +279,13 @@ def _compare_in(args: argparse.Namespace, plans: dict[str, list[str]], out: Path
     for name in results_files:  # the earlier table goes first: a compare cut short leaves none
         if name in mine.entries:
             (out / name).unlink(missing_ok=True)
-    for spec in plans:  # every earlier run goes before the first: one cut short leaves no mix
-        if run_label(spec) in mine.entries and (out / run_label(spec)).is_dir():
-            clear_run(out / run_label(spec))
+    replaced = [run_label(s) for s in plans if run_label(s) in mine.entries and
+                (out / run_label(s)).is_dir()]
+    if replaced:  # documented, and said: the user sees which runs are trained again
+        print(f"dtlab compare: replacing the earlier compare's {owned.shown(replaced)} in "
+              f"'{out}' (--out a new directory keeps them)", flush=True)
+    for label in replaced:  # every earlier run goes before the first: one cut short leaves no mix
+        clear_run(out / label)
     extra = ["run.progress=false"] + (["run.log_every=1", "run.save_model=true"] if args.verify else [])
     numerics = verify_numerics(args)  # before the overrides: an explicit setting wins
     rows, failed, results = [], [], {}

@@ -8,6 +8,7 @@ so configuration mistakes are reported at once.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -158,14 +159,23 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.format == "hf":
         max_shard = parse_size(args.max_shard_size or DEFAULT_SHARD)
         out = Path(args.output or "hf-model")
-        print(f"written: {export_hf(checkpoint, out, max_shard, args.overwrite)}")
+        said = _written_or_replaced(out)
+        print(f"{said}: {export_hf(checkpoint, out, max_shard, args.overwrite)}")
         return 0
     if args.max_shard_size is not None:
         raise DtlabError("--max-shard-size applies to --format hf; fix: add --format hf, or "
                          "drop --max-shard-size")
     output = output_file("-o/--output", args.output or "model.safetensors", "model.safetensors")
-    print(f"written: {export(checkpoint, output, args.overwrite)}")
+    said = _written_or_replaced(output)
+    print(f"{said}: {export(checkpoint, output, args.overwrite)}")
     return 0
+
+
+def _written_or_replaced(out: Path) -> str:
+    """How the export's last line names what it did: an earlier export there is replaced (the
+    check before it allowed that), which the user is told."""
+    empty = out.is_dir() and not any(out.iterdir())
+    return "replaced the earlier export" if os.path.lexists(out) and not empty else "written"
 
 
 def cmd_config(args: argparse.Namespace) -> int:

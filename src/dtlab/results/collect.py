@@ -191,7 +191,50 @@ def collect(*roots: Path) -> list[dict[str, Any]]:
             for r in found:
                 r["source"] = str(root / r["source"]) if r["source"] != "." else str(root)
         rows += found
+    told_apart(rows, roots)
     return sorted(rows, key=lambda r: (str(r.get("series")), r.get("world_size") or 0))
+
+
+def told_apart(rows: list[dict[str, Any]], roots: tuple[Path, ...]) -> None:
+    """Runs that would share a series and a world size (two `dtlab train` runs of one strategy
+    with another learning rate, say) get the config keys they differ in added to their series
+    (read from each run's config.yaml): a plot would otherwise draw them as one line."""
+    groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((str(row.get("series")), row.get("world_size")), []).append(row)
+    for same in (g for g in groups.values() if len(g) > 1):
+        configs = [_settings(_run_dir(row, roots)) for row in same]
+        keys = sorted({k for c in configs for k in c
+                       if len({repr(other.get(k)) for other in configs}) > 1})
+        for row, config in zip(same, configs, strict=True):
+            if keys:
+                row["series"] += ", " + ", ".join(f"{k}={config.get(k)}" for k in keys)
+
+
+def _run_dir(row: dict[str, Any], roots: tuple[Path, ...]) -> Path:
+    source = Path(row["source"])
+    return source if len(roots) > 1 or source.is_absolute() else Path(roots[0]) / source
+
+
+def _settings(run_dir: Path) -> dict[str, Any]:
+    """A run's config.yaml as dotted keys, without where and how it reports (run.*)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}{k}.", v)
+        else:
+            flat[prefix[:-1]] = value
+
+    walk("", config if isinstance(config, dict) else {})
+    return {k: v for k, v in flat.items() if not k.startswith("run.")}
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:

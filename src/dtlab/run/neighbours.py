@@ -28,6 +28,8 @@ OUTPUTS = ("checkpoints", "metrics.jsonl", "metrics.jsonl.tmp", "progress", "sum
            "flight_recorder/*")
 # The same, as names directly under run.dir: a user's file there under one of them is refused.
 OUTPUT_NAMES = tuple(p.split("/")[0] for p in OUTPUTS)
+# A token data set's files (dtlab prepare's, or made by hand): a folder holding them is data.
+TOKEN_FILES = ("train.bin", "val.bin")
 
 
 def run_id_of(manifest: dict[str, Any]) -> str | None:
@@ -50,6 +52,12 @@ def check_owned(cfg: Any, config: str | None = None) -> None:
         raise ConfigError(f"run.dir '{run_dir}' holds {what} in '{below[0]}', which this run's "
                           "files would sit among and be collected and reported with; fix: a "
                           "run.dir of its own beside it")
+    tokens = [n for n in TOKEN_FILES if (Path(run_dir) / n).exists()]
+    if tokens:
+        raise ConfigError(f"run.dir '{run_dir}' is a token data set ({', '.join(tokens)}), whose "
+                          "folder dtlab prepare replaces whole and whose files the run's would sit "
+                          "among; fix: a run.dir of its own (e.g. runs/NAME), with data.dir naming "
+                          "that folder")
     link = Path(run_dir) / "config.yaml"
     if link.is_symlink():
         raise ConfigError(f"run.dir '{run_dir}' holds config.yaml as a link to "
