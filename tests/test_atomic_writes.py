@@ -251,7 +251,7 @@ def test_export_refuses_to_replace_a_file_it_did_not_write(ckpt: Path, tmp_path:
         "exporting would replace it; fix: choose another -o, or add --overwrite to replace it")
     assert notes.read_text() == "my notes"
     proc = dtlab("export", str(ckpt), "-o", str(notes), "--overwrite")
-    assert proc.returncode == 0 and proc.stdout == f"written: {notes}\n", proc.stderr
+    assert proc.returncode == 0 and proc.stdout == f"replaced (--overwrite): {notes}\n", proc.stderr
     from safetensors.torch import load_file
 
     assert load_file(notes) and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -157,8 +157,12 @@ def test_overwrite_removes_the_earlier_runs_report(tmp_path: Path) -> None:
     ok(dtlab("train", *QUICK, "run.dir=r1", cwd=tmp_path))
     ok(dtlab("report", "r1", cwd=tmp_path))
     assert (tmp_path / "r1/report.html").is_file()
-    ok(dtlab("train", *QUICK, "train.lr=0.3", "run.dir=r1", "run.overwrite=true", cwd=tmp_path))
+    again = dtlab("train", *QUICK, "train.lr=0.3", "run.dir=r1", "run.overwrite=true", cwd=tmp_path)
+    ok(again)
     assert not (tmp_path / "r1/report.html").exists()
+    said = [x for x in again.stderr.splitlines() if x.startswith("dtlab: removed")]
+    assert said == ["dtlab: removed the earlier run's report.html, metrics.jsonl, progress, "
+                    "summary.json from run.dir 'r1' (this run starts over)"], again.stderr
 
 
 @pytest.mark.parametrize("args", [["train", *QUICK, "run.dir=/"],

@@ -156,6 +156,12 @@ def test_prepare_refuses_token_files_it_did_not_write(tmp_path: Path) -> None:
                     "describes (token files made elsewhere), and preparing replaces the whole "
                     f"directory; fix: choose another --out, e.g. {Path('d/tokens')}, or move them "
                     "out of it"), line
+    (tmp_path / "d/train.bin").unlink()
+    (tmp_path / "d/meta.json").write_text('{"mine": 1}')  # the user's own, not prepare's
+    line = refused(["prepare", "a.txt", "--out", "d"], tmp_path)
+    assert line == ("dtlab: error: --out 'd' holds meta.json, which dtlab prepare did not write, "
+                    "and preparing replaces the whole directory; fix: choose another --out, e.g. "
+                    f"{Path('d/tokens')}, or move them out of it"), line
 
 
 def test_token_files_without_meta_json_are_hashed(tmp_path: Path) -> None:
@@ -237,15 +243,25 @@ def test_a_users_files_in_checkpoints_are_refused_before_pruning(work: Path) -> 
                         "or replaces with its checkpoints; fix: move them out of checkpoints/"), line
 
 
-def test_a_resume_removes_the_end_of_the_run_it_continues(work: Path) -> None:
-    """The weights and the report of step 2 would stand beside step 4's checkpoints and summary."""
+def test_a_resume_removes_the_runs_weights_and_refuses_beside_its_report(work: Path) -> None:
+    """The weights of step 2 would stand beside step 4's checkpoints and summary: removed, and
+    said; the report of step 2 is report's: refused, not removed."""
     ok(dtlab("train", *QUICK[:1], "run.progress=false", "train.checkpoint_every=2",
              "run.save_model=true", "run.dir=w", cwd=work))
     ok(dtlab("report", "w", cwd=work))
     assert (work / "w/model.safetensors").is_file() and (work / "w/report.html").is_file()
-    ok(dtlab("train", "train.max_steps=4", "run.progress=false", "train.checkpoint_every=2",
-             "run.save_model=false", "run.dir=w", cwd=work))
-    assert not (work / "w/model.safetensors").exists() and not (work / "w/report.html").exists()
+    resume = ["train", "train.max_steps=4", "run.progress=false", "train.checkpoint_every=2",
+              "run.save_model=false", "run.dir=w"]
+    line = refused(resume, work)
+    assert line == ("dtlab: error: run.dir 'w' holds report.html, which `dtlab report` made of the "
+                    "run so far and which would describe it wrongly once it goes on; fix: move it "
+                    "away (dtlab report w makes a new one), or choose another run.dir"), line
+    (work / "w/report.html").rename(work / "report-step2.html")
+    resumed = dtlab(*resume, cwd=work)
+    ok(resumed)
+    assert not (work / "w/model.safetensors").exists()
+    assert ("dtlab: removed the earlier run's model.safetensors from run.dir 'w' (the weights "
+            "of its earlier end)") in resumed.stderr.splitlines(), resumed.stderr
 
 
 def test_a_compare_refuses_a_config_inside_its_out(tmp_path: Path) -> None:
@@ -355,3 +371,28 @@ def test_collect_tells_apart_runs_of_one_strategy_by_the_keys_they_differ_in(wor
     assert series == ["single, train.lr=0.05", "single, train.lr=0.3"], series
     ok(dtlab("collect", "runs/a", "runs/b", "-o", "alike.csv", cwd=work))
     assert [r["series"] for r in csv.DictReader((work / "alike.csv").open())] == ["single"] * 2
+
+
+def test_a_plot_stopped_half_way_leaves_the_earlier_plot_whole(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The figures are drawn aside and swapped in: Ctrl-C while drawing changes nothing."""
+    from dtlab.results import plot
+
+    rows = [{"series": s, "strategy": s, "world_size": n, "status": "done",
+             "samples_per_s": 100.0 * n * (1 if s == "ddp" else 0.8), "peak_memory_bytes": 2**20}
+            for s in ("ddp", "fsdp") for n in (1, 2)]
+    first = plot.plot_results(rows, tmp_path / "p")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "p").iterdir() if p.is_file()}
+    assert len(first) == 3 and "index.json" in before
+    drawn = []
+
+    def stopped(self, name, *args, **kwargs):  # the second figure's drawing is interrupted
+        drawn.append(name)
+        if len(drawn) == 2:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(plot.Figures, "line", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        plot.plot_results(rows, tmp_path / "p")
+    after = {p.name: p.read_bytes() for p in (tmp_path / "p").iterdir() if p.is_file()}
+    assert after == before
+    assert [p.name for p in (tmp_path / "p").iterdir() if p.is_dir()] == []  # no staging left

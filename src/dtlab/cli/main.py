@@ -172,10 +172,17 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _written_or_replaced(out: Path) -> str:
-    """How the export's last line names what it did: an earlier export there is replaced (the
-    check before it allowed that), which the user is told."""
-    empty = out.is_dir() and not any(out.iterdir())
-    return "replaced the earlier export" if os.path.lexists(out) and not empty else "written"
+    """How the export's last line names what it did (the checks before it allowed it): an
+    earlier export there replaced, or what --overwrite replaced, is said as such."""
+    from dtlab.text.export import export_mark
+
+    if out.is_dir():
+        earlier = any(export_mark(f) for f in out.glob("*.safetensors"))
+        taken = any(out.iterdir())
+    else:
+        earlier, taken = out.is_file() and export_mark(out) is not None, os.path.lexists(out)
+    return "replaced the earlier export" if earlier else "replaced (--overwrite)" if taken \
+        else "written"
 
 
 def cmd_config(args: argparse.Namespace) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -145,9 +147,26 @@ def plot_results(rows: list[dict[str, Any]], out_dir: Path,
                          "`dtlab collect`")
     mine = claim_plots(out_dir)  # callers with another flag claim first, with their own words
     mine.add()  # the directory and its record, before the first figure
-    for name in mine.entries & set(WRITES):  # an earlier plot's figures: these data may not
-        (Path(out_dir) / name).unlink(missing_ok=True)  # draw them all, and none may stay stale
-    f = Figures(out_dir, mine)
+    # Drawn aside, then swapped in: a plot stopped half way (Ctrl-C) leaves the earlier one whole.
+    staging = Path(out_dir) / f".plot-{os.getpid()}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        index = _draw(Figures(staging, mine), rows, comm_rows)
+        mine.add("index.json")
+        (staging / "index.json").write_text(json.dumps(index, indent=2) + "\n")
+        drawn = {name for figure in index for name in figure["files"]}
+        for name in mine.entries & set(WRITES) - drawn - {"index.json"}:  # an earlier plot's
+            (Path(out_dir) / name).unlink(missing_ok=True)  # figures these data do not draw
+        for name in [*sorted(drawn), "index.json"]:  # the index last: it describes the figures
+            os.replace(staging / name, Path(out_dir) / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return index
+
+
+def _draw(f: Figures, rows: list[dict[str, Any]],
+          comm_rows: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     ranks = "number of ranks"
     f.line("epoch_time", "Time per epoch", ranks, "time per epoch (s, log scale)",
            series_points(rows, "epoch_time_s"), logy=True)
@@ -175,8 +194,6 @@ def plot_results(rows: list[dict[str, Any]], out_dir: Path,
            {k: [(n, 100 * c) for n, c in v] for k, v in series_points(rows, "comm_share").items()})
     if comm_rows:
         plot_busbw(f, comm_rows)
-    mine.add("index.json")
-    (Path(out_dir) / "index.json").write_text(json.dumps(f.index, indent=2) + "\n")
     return f.index
 
 

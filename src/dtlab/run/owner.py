@@ -101,29 +101,44 @@ def _show(values: dict[str, Any], key: str) -> str:
 
 
 # --------------------------------------------------------------------------- earlier runs' files
-def clear_outputs(run_dir: Path) -> None:
+def clear_outputs(run_dir: Path) -> list[str]:
     """Remove an earlier run's outputs, so that nothing of it can be read as this run's (its
-    report too, when `dtlab report` wrote one there)."""
+    report too, when `dtlab report` wrote one there). Returns the names removed."""
+    removed = []
     report = Path(run_dir) / "report.html"
     if files.is_dtlab_report(report):
         report.unlink()
+        removed.append(report.name)
     for pattern in OUTPUTS:
-        for path in Path(run_dir).glob(pattern):
+        for path in sorted(Path(run_dir).glob(pattern)):
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
             else:
                 path.unlink()
+            removed.append(str(path.relative_to(run_dir)))
+    return removed
 
 
-def clear_end_outputs(run_dir: Path) -> None:
-    """A resumed run's earlier end: its exported weights and `dtlab report`'s page, which would
-    stand beside the resumed run's checkpoints and summary as if they were its own."""
-    for name in ("model.safetensors", "report.html"):
-        path = Path(run_dir) / name
-        if name == "report.html" and not files.is_dtlab_report(path):
-            continue
-        if path.is_file() and not path.is_symlink():
-            path.unlink()
+def clear_end_outputs(run_dir: Path) -> list[str]:
+    """A resumed run's earlier end: its exported weights, which would stand beside the resumed
+    run's checkpoints and summary as if they were its own (written again at its end). `dtlab
+    report`'s page is not the run's to remove: check_start refuses a resume beside it."""
+    path = Path(run_dir) / "model.safetensors"
+    if path.is_file() and not path.is_symlink():
+        path.unlink()
+        return [path.name]
+    return []
+
+
+def check_no_report(run_dir: Path) -> None:
+    """A run that goes on beside `dtlab report`'s page of it so far would leave the page
+    describing a run that is no longer so; the page is report's, so it is refused, not removed."""
+    report = Path(run_dir) / "report.html"
+    if files.is_dtlab_report(report):
+        raise ConfigError(f"run.dir '{run_dir}' holds report.html, which `dtlab report` made of "
+                          "the run so far and which would describe it wrongly once it goes on; "
+                          f"fix: move it away (dtlab report {run_dir} makes a new one), or "
+                          "choose another run.dir")
 
 
 def restarted() -> bool:
@@ -166,6 +181,8 @@ def check_start(cfg: Any, config: str | None = None) -> None:
                 "continue; fix: move the other run's checkpoints out, or resume=PATH to one")
         found = complete_checkpoints(run_dir, warn=False)
         target = found[-1][1] if found else None
+        if target is not None and not cfg.run.overwrite:
+            check_no_report(run_dir)
         earlier = earlier_outputs(run_dir)
         if target is None and earlier and not cfg.run.overwrite:
             raise ConfigError(
@@ -175,6 +192,8 @@ def check_start(cfg: Any, config: str | None = None) -> None:
                 "another run.dir")
     else:  # resume=PATH: into its own run directory, or one without another run's files
         target = Path(cfg.resume)
+        if not cfg.run.overwrite:
+            check_no_report(run_dir)
         theirs = run_id_of((manifest_json(target) or {}) if target.is_dir() else {})
         found = earlier_outputs(run_dir)
         if found and not cfg.run.overwrite and not inside(target, run_dir) and \
@@ -280,9 +299,12 @@ def begin(run: Any, ctx: Any, cfg: Any, resumed_from: Path | None,
     if ctx.is_main:
         try:
             if resumed_from is None or (cfg.run.overwrite and not inside(resumed_from, run_dir)):
-                clear_outputs(run_dir)
+                removed, why = clear_outputs(run_dir), "this run starts over"
             else:  # what described the run's end so far: written again at this one's end
-                clear_end_outputs(run_dir)
+                removed, why = clear_end_outputs(run_dir), "the weights of its earlier end"
+            if removed:  # dtlab's own files of the earlier run, and said: nothing goes unnoticed
+                print(f"dtlab: removed the earlier run's {owned.shown(removed)} from run.dir "
+                      f"'{run_dir}' ({why})", file=sys.stderr, flush=True)
             # Recorded before the first output is written: whatever this run leaves is its own.
             mine = _record_of(run_dir, run.run_id) or owned.Owned(Path(run_dir), "run", run.run_id)
             mine.add(*OUTPUT_NAMES)

@@ -219,11 +219,23 @@ def check_out(out: Path) -> None:
                             f"--out, e.g. {out / 'tokens'}, or move those files out of it")
         theirs = [n for n in ("train.bin", "val.bin") if (target / n).exists()
                   and not _prepared(target, n)]
+        theirs += ["meta.json"] if (target / "meta.json").exists() and \
+            not _meta_of_prepare(target) else []
         if theirs:
-            raise DataError(f"--out '{out}' holds {' and '.join(theirs)}, which no meta.json of "
-                            "dtlab prepare describes (token files made elsewhere), and preparing "
+            made = "dtlab prepare did not write" if theirs == ["meta.json"] else \
+                "no meta.json of dtlab prepare describes (token files made elsewhere)"
+            raise DataError(f"--out '{out}' holds {' and '.join(theirs)}, which {made}, and preparing "
                             f"replaces the whole directory; fix: choose another --out, e.g. "
                             f"{out / 'tokens'}, or move them out of it")
+
+
+def _meta_of_prepare(folder: Path) -> bool:
+    """Whether folder/meta.json is one dtlab prepare wrote (its files and tokenizer recorded)."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        return isinstance(meta.get("files"), dict) and "tokenizer" in meta
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _prepared(folder: Path, name: str) -> bool:
