@@ -27,6 +27,10 @@ CASES = [
      "the following arguments are required: COMMAND"),
     ("an unknown command is refused", "trian", "invalid choice: 'trian'"),
     ("an unknown option of train is refused", "train --gpus 2", "unrecognized arguments: --gpus"),
+    ("resume=yes (a yes/no to YAML) names the words resume takes", "train resume=yes",
+     "resume is given as a yes/no (yes, no, true or false), but it takes auto (the latest "
+     "checkpoint in run.dir), none (start over) or a checkpoint's path; fix: resume=auto, "
+     "resume=none or resume=PATH"),
     # ------------------------------------------------------------------ train: launch options
     ("train refuses zero ranks per node", "train --nproc-per-node 0",
      "argument --nproc-per-node: '0' must be at least 1"),

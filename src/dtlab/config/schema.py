@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
+    BeforeValidator,
     Field,
     NonNegativeFloat,
     NonNegativeInt,
@@ -367,9 +368,19 @@ class RunConfig(Section):
         return self
 
 
+def _resume_word(value: Any) -> Any:
+    """YAML reads resume=yes/no/true/false as a boolean, which no string check would name."""
+    if isinstance(value, bool):
+        raise ValueError("resume is given as a yes/no (yes, no, true or false), but it takes "
+                         "auto (the latest checkpoint in run.dir), none (start over) or a "
+                         "checkpoint's path; fix: resume=auto, resume=none or resume=PATH")
+    return value
+
+
 class Config(Section):
     seed: int = 0
-    resume: UserPath = "auto"  # auto: the latest complete checkpoint in run.dir; none; or a path
+    # auto: the latest complete checkpoint in run.dir; none; or a path
+    resume: Annotated[UserPath, BeforeValidator(_resume_word)] = "auto"
     model: ModelConfig = Field(default_factory=CNNConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
