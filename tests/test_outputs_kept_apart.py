@@ -396,3 +396,12 @@ def test_a_plot_stopped_half_way_leaves_the_earlier_plot_whole(tmp_path: Path,
     after = {p.name: p.read_bytes() for p in (tmp_path / "p").iterdir() if p.is_file()}
     assert after == before
     assert [p.name for p in (tmp_path / "p").iterdir() if p.is_dir()] == []  # no staging left
+
+
+def test_a_report_into_a_runs_checkpoints_is_refused(work: Path) -> None:
+    """The run prunes its checkpoints, and a resume refuses files there it did not write."""
+    line = refused(["report", "runs/a", "-o", "runs/a/checkpoints/step_000002/report.html"], work)
+    assert line == ("dtlab: error: -o/--output 'runs/a/checkpoints/step_000002/report.html' is "
+                    "inside the checkpoints of the run 'runs/a', which it prunes and replaces (and "
+                    "whose files it refuses beside them); fix: a path outside checkpoints/, e.g. "
+                    "-o runs/a/report.html"), line

@@ -187,6 +187,14 @@ def check_made_from(path: Path, flag: str, sources: Iterable[Path]) -> None:
     if found is None or found[1]["kind"] == "plot":
         return
     above, record = found
+    keeps = Path(os.path.abspath(above)) / "checkpoints"
+    if record["kind"] == "run" and (keeps == Path(os.path.abspath(path)) or
+                                    keeps in Path(os.path.abspath(path)).parents):
+        parts = Path(path).parts  # the run as the user named it, where the path names it
+        run = Path(*parts[:parts.index("checkpoints")]) if "checkpoints" in parts[1:] else above
+        raise NotOurs(f"{flag} '{path}' is inside the checkpoints of the run '{run}', which it "
+                      "prunes and replaces (and whose files it refuses beside them); fix: a path "
+                      f"outside checkpoints/, e.g. -o {run / Path(path).name}")
     if any(os.path.realpath(s) == os.path.realpath(above) for s in sources):
         return
     what = "the run directory" if record["kind"] == "run" else f"the output of dtlab {record['kind']}"
