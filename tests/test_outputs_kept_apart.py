@@ -405,3 +405,12 @@ def test_a_report_into_a_runs_checkpoints_is_refused(work: Path) -> None:
                     "inside the checkpoints of the run 'runs/a', which it prunes and replaces (and "
                     "whose files it refuses beside them); fix: a path outside checkpoints/, e.g. "
                     "-o runs/a/report.html"), line
+
+
+def test_export_onto_its_checkpoint_names_a_fix_that_works(work: Path) -> None:
+    """-o CHECKPOINT is a directory: the fix is a path outside it, never one inside it."""
+    ckpt = "runs/a/checkpoints/step_000002"
+    line = refused(["export", ckpt, "-o", ckpt], work)
+    assert line == (f"dtlab: error: -o/--output '{ckpt}' overlaps the checkpoint '{ckpt}' it is "
+                    "read from, or its run's own outputs; fix: choose a path outside the "
+                    "checkpoint and its run"), line

@@ -152,10 +152,20 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dtlab.text.export import DEFAULT_SHARD, export, export_hf, parse_size
+    from dtlab.text.export import (
+        DEFAULT_SHARD,
+        check_outside_checkpoint,
+        export,
+        export_hf,
+        parse_size,
+    )
 
     checkpoint = input_dir("CHECKPOINT", args.checkpoint,
                            "pass a checkpoint directory, RUN_DIR/checkpoints/step_NNNNNN")
+    inside = args.output and (Path(args.output).resolve() == checkpoint.resolve() or
+                              checkpoint.resolve() in Path(args.output).resolve().parents)
+    if inside:  # said before "is a directory", whose fix would name a path inside it
+        check_outside_checkpoint(Path(args.output), checkpoint)
     if args.format == "hf":
         max_shard = parse_size(args.max_shard_size or DEFAULT_SHARD)
         out = Path(args.output or "hf-model")

@@ -121,11 +121,11 @@ def _not_an_export(out: Path, kind: str) -> str | None:
     return None
 
 
-def check_replace(out: Path, kind: str, checkpoint: Path, overwrite: bool) -> None:
-    """Before anything is loaded: `out` is new, empty, or an earlier export of this kind (which
-    is replaced); anything else only with --overwrite. Never the checkpoint or a path inside
-    or around it, which the replacement would delete."""
-    source, target = Path(checkpoint).resolve(), out.resolve()
+def check_outside_checkpoint(out: Path, checkpoint: Path) -> Path:
+    """`out` neither overlaps the checkpoint nor takes a name of its run's outputs (the CLI asks
+    first, so that its fix for a directory -o is never a path inside the checkpoint). Returns
+    the run's directory."""
+    source, target = Path(checkpoint).resolve(), Path(out).resolve()
     run = source.parent.parent if source.parent.name == "checkpoints" else source
     # in its run under a name the run writes: RUN/model.safetensors would pass for the run's own
     under_run = target.relative_to(run).parts[0] if run in target.parents else None
@@ -134,6 +134,15 @@ def check_replace(out: Path, kind: str, checkpoint: Path, overwrite: bool) -> No
         raise DtlabError(f"-o/--output '{out}' overlaps the checkpoint '{checkpoint}' it is "
                          "read from, or its run's own outputs; fix: choose a path outside the "
                          "checkpoint and its run")
+    return run
+
+
+def check_replace(out: Path, kind: str, checkpoint: Path, overwrite: bool) -> None:
+    """Before anything is loaded: `out` is new, empty, or an earlier export of this kind (which
+    is replaced); anything else only with --overwrite. Never the checkpoint or a path inside
+    or around it, which the replacement would delete."""
+    run = check_outside_checkpoint(out, checkpoint)
+    target = out.resolve()
     owned.check_made_from(out, "-o/--output", [run])  # another run's, compare's, sweep's
     if any(target == p or target in p.parents for p in (Path.cwd().resolve(),
                                                        Path.home().resolve())):
