@@ -8,7 +8,6 @@ so configuration mistakes are reported at once.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -158,6 +157,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         export,
         export_hf,
         parse_size,
+        said_of,
     )
 
     checkpoint = input_dir("CHECKPOINT", args.checkpoint,
@@ -169,30 +169,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.format == "hf":
         max_shard = parse_size(args.max_shard_size or DEFAULT_SHARD)
         out = Path(args.output or "hf-model")
-        said = _written_or_replaced(out)
+        said = said_of(out, "hf")
         print(f"{said}: {export_hf(checkpoint, out, max_shard, args.overwrite)}")
         return 0
     if args.max_shard_size is not None:
         raise DtlabError("--max-shard-size applies to --format hf; fix: add --format hf, or "
                          "drop --max-shard-size")
     output = output_file("-o/--output", args.output or "model.safetensors", "model.safetensors")
-    said = _written_or_replaced(output)
+    said = said_of(output, "safetensors")
     print(f"{said}: {export(checkpoint, output, args.overwrite)}")
     return 0
-
-
-def _written_or_replaced(out: Path) -> str:
-    """How the export's last line names what it did (the checks before it allowed it): an
-    earlier export there replaced, or what --overwrite replaced, is said as such."""
-    from dtlab.text.export import export_mark
-
-    if out.is_dir():
-        earlier = any(export_mark(f) for f in out.glob("*.safetensors"))
-        taken = any(out.iterdir())
-    else:
-        earlier, taken = out.is_file() and export_mark(out) is not None, os.path.lexists(out)
-    return "replaced the earlier export" if earlier else "replaced (--overwrite)" if taken \
-        else "written"
 
 
 def cmd_config(args: argparse.Namespace) -> int:

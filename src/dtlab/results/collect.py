@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from dtlab.config.load import flatten
 from dtlab.config.strategies import registry
 from dtlab.errors import DtlabError
 from dtlab.results.unfinished import unfinished_run
@@ -224,16 +225,7 @@ def _settings(run_dir: Path) -> dict[str, Any]:
         config = yaml.safe_load((run_dir / "config.yaml").read_text())
     except (OSError, yaml.YAMLError):
         return {}
-    flat: dict[str, Any] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}{k}.", v)
-        else:
-            flat[prefix[:-1]] = value
-
-    walk("", config if isinstance(config, dict) else {})
+    flat = flatten(config) if isinstance(config, dict) and config else {}
     return {k: v for k, v in flat.items() if not k.startswith("run.")}
 
 

@@ -181,8 +181,6 @@ def check_start(cfg: Any, config: str | None = None) -> None:
                 "continue; fix: move the other run's checkpoints out, or resume=PATH to one")
         found = complete_checkpoints(run_dir, warn=False)
         target = found[-1][1] if found else None
-        if target is not None and not cfg.run.overwrite:
-            check_no_report(run_dir)
         earlier = earlier_outputs(run_dir)
         if target is None and earlier and not cfg.run.overwrite:
             raise ConfigError(
@@ -192,8 +190,6 @@ def check_start(cfg: Any, config: str | None = None) -> None:
                 "another run.dir")
     else:  # resume=PATH: into its own run directory, or one without another run's files
         target = Path(cfg.resume)
-        if not cfg.run.overwrite:
-            check_no_report(run_dir)
         theirs = run_id_of((manifest_json(target) or {}) if target.is_dir() else {})
         found = earlier_outputs(run_dir)
         if found and not cfg.run.overwrite and not inside(target, run_dir) and \
@@ -202,6 +198,8 @@ def check_start(cfg: Any, config: str | None = None) -> None:
                 f"run.dir '{run_dir}' holds an earlier run ({', '.join(found)}), which resuming "
                 f"'{target}' there would mix with it; fix: run.overwrite=true to delete it, or set "
                 "another run.dir")
+    if target is not None and not cfg.run.overwrite:
+        check_no_report(run_dir)
     manifest = manifest_json(target) if target is not None else None
     if manifest is not None and isinstance(manifest.get("config"), dict):
         check_config(manifest, cfg.model_dump(mode="json"), target, run_dir)

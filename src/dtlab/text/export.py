@@ -103,6 +103,17 @@ def export_mark(file: Path) -> str | None:
     return mark if isinstance(mark, str) else None
 
 
+def said_of(out: Path, kind: str) -> str:
+    """How the export's last line names what it does to `out` (the checks allowed it): an
+    earlier export of `kind` replaced, or what --overwrite replaced, is said as such."""
+    taken = os.path.lexists(out) and not (out.is_dir() and not any(out.iterdir()))
+    if not taken:
+        return "written"
+    shaped = out.is_dir() if kind == "hf" else out.is_file()
+    earlier = shaped and _not_an_export(out, kind) is None
+    return "replaced the earlier export" if earlier else "replaced (--overwrite)"
+
+
 def _not_an_export(out: Path, kind: str) -> str | None:
     """Why replacing `out` could lose something (it is not an earlier export of `kind`), or
     None when it is one, or when nothing is there."""

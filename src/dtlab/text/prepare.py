@@ -224,9 +224,9 @@ def check_out(out: Path) -> None:
         if theirs:
             made = "dtlab prepare did not write" if theirs == ["meta.json"] else \
                 "no meta.json of dtlab prepare describes (token files made elsewhere)"
-            raise DataError(f"--out '{out}' holds {' and '.join(theirs)}, which {made}, and preparing "
-                            f"replaces the whole directory; fix: choose another --out, e.g. "
-                            f"{out / 'tokens'}, or move them out of it")
+            raise DataError(f"--out '{out}' holds {' and '.join(theirs)}, which {made}, and "
+                            "preparing replaces the whole directory; fix: choose another --out, "
+                            f"e.g. {out / 'tokens'}, or move them out of it")
 
 
 def _meta_of_prepare(folder: Path) -> bool:
